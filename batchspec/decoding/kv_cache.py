@@ -1,0 +1,73 @@
+"""One model's KV cache for a static batch: prefill, extend, rollback, evict, compact.
+
+The cache has one slot per column of `mask` ([B, L]); a 0 marks a left pad or a hole left by a
+rollback. Positions are always `cumsum(mask) - 1`, so pads and holes are skipped and each row
+sees exactly its own tokens at their true positions, whatever its batch mates did.
+"""
+
+import torch
+from transformers import DynamicCache
+
+
+class BatchKV:
+    def __init__(self, model, batch_size: int, device: torch.device):
+        self.model = model
+        self.cache = DynamicCache(config=model.config)
+        self.mask = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # [B, L]
+
+    @property
+    def length(self) -> int:
+        return self.mask.shape[1]
+
+    def forward(self, input_ids: torch.Tensor, input_mask: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
+        """Append S slots and return their logits.
+
+        input_ids, input_mask: [B, S] (mask 0 = a slot no query will ever attend to)
+        Returns logits [B, S, V] (or the last `logits_to_keep` positions).
+        """
+        self.mask = torch.cat([self.mask, input_mask], dim=1)  # [B, L+S]
+        position_ids = (self.mask.cumsum(-1) - 1).clamp_(min=0)[:, -input_ids.shape[1] :]  # [B, S]
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=self.mask,
+            position_ids=position_ids,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+        )
+        return out.logits
+
+    def rollback(self, keep: torch.Tensor, appended: int, max_keep: int) -> None:
+        """Of the last `appended` slots, row b keeps its first keep[b] ([B]); max_keep = keep.max().
+
+        The cache is cut to the longest kept row; shorter rows' extra slots become holes.
+        """
+        self.cache.crop(max_keep - appended)  # a negative count drops that many slots
+        self.mask = self.mask[:, : self.length - appended + max_keep]
+        if max_keep:
+            slot = torch.arange(max_keep, device=keep.device)  # [K]
+            self.mask[:, -max_keep:] *= (slot[None, :] < keep[:, None]).long()
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only `rows` ([B'] indices) in the cache and the mask: finished rows leave."""
+        self.cache.batch_select_indices(rows)
+        self.mask = self.mask[rows]
+
+    def waste(self) -> float:
+        """Fraction of cache slots that are pads or holes (a host sync)."""
+        return 1.0 - self.mask.float().mean().item() if self.mask.numel() else 0.0
+
+    def compact(self) -> None:
+        """Drop pads and holes: move each row's valid slots, in order, to the right end.
+
+        Keys already carry their rotary positions and positions come from the mask, so moving
+        slots changes no logits; attention then runs over fewer columns.
+        """
+        valid = self.mask.bool()  # [B, L]
+        new_length = int(valid.sum(-1).max())
+        order = torch.sort(valid.int(), dim=-1, stable=True).indices[:, self.length - new_length :]  # [B, L']
+        self.mask = self.mask.gather(1, order)
+        for layer in self.cache.layers:
+            index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+            layer.keys = layer.keys.gather(2, index)
+            layer.values = layer.values.gather(2, index)

@@ -1,0 +1,120 @@
+"""Load the target, the draft and their tokenizer; check that the pair can work together.
+
+A model is named by a Hub id, a local folder (save_pretrained layout) or a `.gguf` file.
+"""
+
+import os
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelError(Exception):
+    """A model that cannot be loaded or a pair that cannot be used: a user error, one line."""
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelError(f"device {device!r} asked for, but torch sees no CUDA GPU")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """auto: bfloat16 on a GPU that supports it, else float32 (exact, the CPU default)."""
+    if dtype == "auto":
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ModelError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def source(spec: str) -> tuple[str, dict]:
+    """A model spec -> (what from_pretrained loads, extra kwargs). GGUF files go through gguf_file."""
+    if spec.endswith(".gguf"):
+        if not os.path.isfile(spec):
+            raise ModelError(f"GGUF file not found: {spec}")
+        return os.path.dirname(os.path.abspath(spec)), {"gguf_file": os.path.basename(spec)}
+    return spec, {}
+
+
+def load_tokenizer(spec: str):
+    path, kwargs = source(spec)
+    try:
+        return AutoTokenizer.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"cannot load the tokenizer of {spec!r}: {first_line(e)}") from e
+
+
+def load_model(spec: str, dtype: torch.dtype, device: torch.device):
+    path, kwargs = source(spec)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", **kwargs)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"cannot load model {spec!r}: {first_line(e)}") from e
+    return model.to(device).eval()
+
+
+def first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def check_same_tokenizer(target_tokenizer, draft_tokenizer) -> None:
+    """Refuse a pair whose tokenizers map any id differently, naming the first such id."""
+    target_tokens = {i: t for t, i in target_tokenizer.get_vocab().items()}
+    draft_tokens = {i: t for t, i in draft_tokenizer.get_vocab().items()}
+    for i in range(max(len(target_tokens), len(draft_tokens), max(target_tokens) + 1, max(draft_tokens) + 1)):
+        a, b = target_tokens.get(i), draft_tokens.get(i)
+        if a != b:
+            raise ModelError(
+                f"the draft's tokenizer differs from the target's: id {i} is {a!r} for the target "
+                f"and {b!r} for the draft; use a draft from the target's family"
+            )
+
+
+def eos_token_ids(model, tokenizer) -> tuple[int, ...]:
+    """Every id that ends a completion: the generation config's (int or list), else the tokenizer's."""
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def context_length(model) -> int | None:
+    return getattr(model.config, "max_position_embeddings", None)
+
+
+@dataclass
+class ModelPair:
+    target: object
+    draft: object | None
+    tokenizer: object
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return eos_token_ids(self.target, self.tokenizer)
+
+    @property
+    def context_length(self) -> int | None:
+        return context_length(self.target)
+
+
+def load_pair(target: str, draft: str | None = None, *, dtype: str = "auto", device: str = "auto") -> ModelPair:
+    """Load the target, its tokenizer and (optionally) a draft sharing that tokenizer."""
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    tokenizer = load_tokenizer(target)
+    if draft is not None:
+        check_same_tokenizer(tokenizer, load_tokenizer(draft))
+    target_model = load_model(target, torch_dtype, torch_device)
+    draft_model = load_model(draft, torch_dtype, torch_device) if draft is not None else None
+    return ModelPair(target_model, draft_model, tokenizer)

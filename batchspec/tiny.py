@@ -1,0 +1,118 @@
+"""Tiny target/draft pairs built from configs and an in-memory tokenizer: for tests and benchmarks.
+
+No network: the tokenizer is a byte-level BPE trained here on generated text; the models are
+randomly initialised; the draft is the target plus weight noise, so it agrees often, not always.
+Everything is written with save_pretrained, so it is loaded back the way users' models are.
+"""
+
+import random
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WORDS = (
+    "the a of to and in is it you that he was for on are with as his they be at one have this from or "
+    "had by hot word but what some we can out other were all there when up use your how said an each "
+    "she which do their time if will way about many then them write would like so these her long make "
+    "thing see him two has look more day could go come did number sound no most people my over know "
+    "water than call first who may down side been now find any new work part take get place made live "
+    "where after back little only round man year came show every good me give our under name very "
+    "through just form sentence great think say help low line differ turn cause much mean before move "
+    "right boy old too same tell does set three want air well also play small end put home read hand "
+    "port large spell add even land here must big high such follow act why ask men change went light "
+    "kind off need house picture try us again animal point mother world near build self earth father"
+).split()
+
+
+def sample_text(rng: random.Random, words: int) -> str:
+    text = " ".join(rng.choice(WORDS) for _ in range(words))
+    return text.capitalize() + rng.choice([".", "?", "!", ":", ","])
+
+
+def build_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained in memory, with a ChatML chat template."""
+    rng = random.Random(0)
+    corpus = [sample_text(rng, rng.randint(3, 30)) + f" {rng.randint(0, 9999)}" for _ in range(3000)]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build_config(family: str, tokenizer, size: int = 64, layers: int = 2):
+    common = {
+        "vocab_size": len(tokenizer),
+        "initializer_range": 0.2,
+        "bos_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
+    if family == "llama":
+        return LlamaConfig(
+            hidden_size=size, intermediate_size=2 * size, num_hidden_layers=layers, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=1024, **common,
+        )
+    if family == "qwen2":
+        return Qwen2Config(
+            hidden_size=size, intermediate_size=2 * size, num_hidden_layers=layers, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=1024, **common,
+        )
+    if family == "gpt2":
+        return GPT2Config(n_embd=size, n_layer=layers, n_head=4, n_positions=1024, **common)
+    raise ValueError(f"unknown tiny family {family!r}")
+
+
+def perturbed(model, noise: float, seed: int):
+    """A copy of `model` with gaussian noise of `noise` times each tensor's std added to it."""
+    copy = AutoModelForCausalLM.from_config(model.config)
+    generator = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, tensor in model.state_dict().items():
+        scale = noise * tensor.float().std() if tensor.numel() > 1 else 0.0
+        state[name] = tensor + scale * torch.randn(tensor.shape, generator=generator)
+    copy.load_state_dict(state)
+    return copy
+
+
+def build_pair(
+    folder: Path, family: str, *, noise: float = 0.1, seed: int = 0, eos_token_ids=None, size: int = 64, layers: int = 2
+) -> tuple[Path, Path]:
+    """Write a tiny target and its noisy draft (same tokenizer) under `folder`; return both paths."""
+    tokenizer = build_tokenizer()
+    torch.manual_seed(seed)
+    target = AutoModelForCausalLM.from_config(build_config(family, tokenizer, size, layers))
+    draft = perturbed(target, noise, seed + 1)
+    eos = tokenizer.eos_token_id if eos_token_ids is None else list(eos_token_ids)
+    paths = []
+    for name, model in (("target", target), ("draft", draft)):
+        path = Path(folder) / f"{family}-{name}"
+        model.generation_config.eos_token_id = eos
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        paths.append(path)
+    return paths[0], paths[1]

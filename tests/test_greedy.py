@@ -1,0 +1,172 @@
+"""Greedy, float32: every row equals target.generate(do_sample=False) on that row alone, unpadded."""
+
+import copy
+import itertools
+import random
+from collections import Counter
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from batchspec.decoding import DecodeConfig, decode_batch
+from batchspec.models import load_pair
+
+FAMILIES = ["llama", "qwen2", "gpt2"]
+MAX_NEW = 40
+LENGTHS = [1, 120, 2, 64, 3, 97, 5, 33, 8, 111, 13, 1, 21, 80, 45, 17]  # 16 rows, 1..120 tokens
+
+
+def random_prompts(vocab: int, lengths, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def reference(model, prompt: list[int], eos_ids, max_new: int = MAX_NEW, **kwargs) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new,
+        eos_token_id=list(eos_ids), pad_token_id=0, **kwargs,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def choose_eos(outputs: list[list[int]]) -> tuple[int, int]:
+    """Two token ids that, as EOS, end some rows on the first id, some on the second, and leave
+    at least two rows running to max_new_tokens."""
+    rows_with = Counter(t for row in outputs for t in set(row[1:]))
+    candidates = [t for t, _ in rows_with.most_common(40)]
+    for a, b in itertools.combinations(candidates, 2):
+        firsts = [next((t for t in row if t in (a, b)), None) for row in outputs]
+        if a in firsts and b in firsts and firsts.count(None) >= 2:
+            return a, b
+    raise AssertionError("no pair of eos ids splits these outputs; change the prompts' seed")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def case(request, tiny_pair):
+    """A loaded pair whose generation_config lists two EOS ids that end some rows mid-completion."""
+    family = request.param
+    target_path, draft_path = tiny_pair(family)
+    pair = load_pair(str(target_path), str(draft_path), dtype="float32", device="cpu")
+    prompts = random_prompts(len(pair.tokenizer), LENGTHS)
+    unstopped = [reference(pair.target, p, [], min_new_tokens=MAX_NEW) for p in prompts]
+    eos = choose_eos(unstopped)
+    GenerationConfig(eos_token_id=list(eos), pad_token_id=0).save_pretrained(target_path)
+    pair = load_pair(str(target_path), str(draft_path), dtype="float32", device="cpu")
+    assert pair.eos_token_ids == eos  # a list of EOS ids in the generation config is honoured
+    expected = [reference(pair.target, p, eos) for p in prompts]
+    return family, pair, prompts, expected
+
+
+def decode(pair, draft, prompts, gamma=3, **kwargs):
+    config = DecodeConfig(max_new_tokens=MAX_NEW, eos_token_ids=pair.eos_token_ids, gamma=gamma, **kwargs)
+    return decode_batch(pair.target, draft, prompts, list(range(len(prompts))), config)
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 5, 8])
+def test_spec_greedy_equals_target_alone(case, gamma):
+    family, pair, prompts, expected = case
+    out = decode(pair, pair.draft, prompts, gamma)
+    assert [r.token_ids for r in out.rows] == expected
+    reasons = Counter(r.finish_reason for r in out.rows)
+    assert reasons["stop"] >= 2 and reasons["length"] >= 2  # both stopping rules in one batch
+    last_tokens = {r.token_ids[-1] for r in out.rows if r.finish_reason == "stop"}
+    assert last_tokens == set(pair.eos_token_ids)  # rows ended on each of the two EOS ids
+    rates = [r.stats["acceptance_rate"] for r in out.rows]
+    assert 0 < sum(rates) / len(rates) < 1  # the noisy draft agrees often, not always
+
+
+def test_ar_greedy_equals_target_alone(case):
+    family, pair, prompts, expected = case
+    out = decode(pair, None, prompts)
+    assert [r.token_ids for r in out.rows] == expected
+    assert all(r.stats["draft_forwards"] == 0 and r.stats["acceptance_rate"] is None for r in out.rows)
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 5, 9, 16])
+def test_any_batch_size(case, batch_size):
+    family, pair, prompts, expected = case
+    out = decode(pair, pair.draft, prompts[-batch_size:], gamma=4)
+    assert [r.token_ids for r in out.rows] == expected[-batch_size:]
+
+
+def test_compaction_keeps_output(case):
+    """Compacting the caches at every chance (compact_at=0) changes no token."""
+    family, pair, prompts, expected = case
+    out = decode(pair, pair.draft, prompts, gamma=5, compact_at=0.0)
+    assert out.stats["compactions"] > 0
+    assert [r.token_ids for r in out.rows] == expected
+
+
+def test_draft_equal_to_target_accepts_everything(case):
+    family, pair, prompts, expected = case
+    out = decode(pair, pair.target, prompts, gamma=4)
+    assert [r.token_ids for r in out.rows] == expected
+    proposed = sum(r.stats["draft_tokens"] for r in out.rows)
+    accepted = sum(r.stats["accepted_tokens"] for r in out.rows)
+    assert accepted >= 0.99 * proposed  # float32 near-ties between 1- and 5-token forwards aside
+
+
+def test_unrelated_draft_still_exact(case, tiny_pair):
+    family, pair, prompts, expected = case
+    other_target, _ = tiny_pair(family, seed=7)
+    unrelated = load_pair(str(other_target), dtype="float32", device="cpu").target
+    out = decode(pair, unrelated, prompts, gamma=5)
+    assert [r.token_ids for r in out.rows] == expected
+    rates = [r.stats["acceptance_rate"] for r in out.rows]
+    assert sum(rates) / len(rates) < 0.3
+
+
+@pytest.mark.parametrize("wider", ["draft", "target"])
+def test_logit_widths_differ(case, wider):
+    """A draft and target of one family with padded embeddings of different widths."""
+    family, pair, prompts, expected = case
+    target, draft = pair.target, pair.draft
+    grown = copy.deepcopy(draft if wider == "draft" else target)
+    grown.resize_token_embeddings(len(pair.tokenizer) + 13, mean_resizing=False)
+    if wider == "draft":
+        draft = grown
+    else:
+        target = grown
+        expected = [reference(target, p, pair.eos_token_ids) for p in prompts]
+    config = DecodeConfig(max_new_tokens=MAX_NEW, eos_token_ids=pair.eos_token_ids, gamma=3)
+    out = decode_batch(target, draft, prompts, list(range(len(prompts))), config)
+    assert [r.token_ids for r in out.rows] == expected
+
+
+def test_row_statistics_add_up(case):
+    family, pair, prompts, expected = case
+    gamma = 3
+    out = decode(pair, pair.draft, prompts, gamma)
+    for prompt, row in zip(prompts, out.rows):
+        s = row.stats
+        steps = sum(s["accepted_length_histogram"])
+        prefill = 1 if max(map(len, prompts)) > 1 else 0
+        assert s["prompt_tokens"] == len(prompt)
+        assert s["completion_tokens"] == len(row.token_ids)
+        assert len(s["accepted_length_histogram"]) == gamma + 1
+        assert s["draft_tokens"] == gamma * steps
+        assert s["accepted_tokens"] == sum(k * c for k, c in enumerate(s["accepted_length_histogram"]))
+        assert s["acceptance_rate"] == pytest.approx(s["accepted_tokens"] / s["draft_tokens"])
+        assert s["mean_accepted_length"] == pytest.approx(s["accepted_tokens"] / steps)
+        assert s["target_forwards"] == steps + prefill
+        assert s["draft_forwards"] == gamma * steps + prefill
+        assert steps <= s["completion_tokens"]  # each verify step yields at least one token
+    assert 0 < out.stats["wasted_cache_fraction"] < 1
+    assert 0 < out.stats["padding_fraction"] < 1
+
+
+def test_finished_rows_leave_the_batch(case):
+    """Rows that stop early cost no more target forwards: the batch dimension shrinks."""
+    family, pair, prompts, expected = case
+    batch_sizes = []
+    hook = pair.target.register_forward_pre_hook(lambda m, args, kw: batch_sizes.append(kw["input_ids"].shape[0]),
+                                                 with_kwargs=True)
+    try:
+        out = decode(pair, pair.draft, prompts, gamma=3)
+    finally:
+        hook.remove()
+    verify_sizes = batch_sizes[1:]  # after the prefill
+    assert verify_sizes == sorted(verify_sizes, reverse=True) and verify_sizes[-1] < len(prompts)
+    assert sum(batch_sizes) == sum(r.stats["target_forwards"] for r in out.rows)
