@@ -7,13 +7,15 @@ import os
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from batchspec.errors import UsageError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class ModelError(Exception):
-    """A model that cannot be loaded or a pair that cannot be used: a user error, one line."""
+class ModelError(UsageError):
+    """A model that cannot be loaded or a pair that cannot be used."""
 
 
 def resolve_device(device: str) -> torch.device:
@@ -89,8 +91,17 @@ def eos_token_ids(model, tokenizer) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
-def context_length(model) -> int | None:
-    return getattr(model.config, "max_position_embeddings", None)
+def context_length(config) -> int | None:
+    return getattr(config, "max_position_embeddings", None)
+
+
+def load_config(spec: str):
+    """The model's config alone (no weights): enough for a dry run's context check."""
+    path, kwargs = source(spec)
+    try:
+        return AutoConfig.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"cannot load the config of {spec!r}: {first_line(e)}") from e
 
 
 @dataclass
@@ -105,7 +116,7 @@ class ModelPair:
 
     @property
     def context_length(self) -> int | None:
-        return context_length(self.target)
+        return context_length(self.target.config)
 
 
 def load_pair(target: str, draft: str | None = None, *, dtype: str = "auto", device: str = "auto") -> ModelPair:

@@ -142,7 +142,7 @@ def test_row_statistics_add_up(case):
     for prompt, row in zip(prompts, out.rows):
         s = row.stats
         steps = sum(s["accepted_length_histogram"])
-        prefill = 1 if max(map(len, prompts)) > 1 else 0
+        prefill = 1 if len(prompt) > 1 else 0
         assert s["prompt_tokens"] == len(prompt)
         assert s["completion_tokens"] == len(row.token_ids)
         assert len(s["accepted_length_histogram"]) == gamma + 1
@@ -169,4 +169,5 @@ def test_finished_rows_leave_the_batch(case):
         hook.remove()
     verify_sizes = batch_sizes[1:]  # after the prefill
     assert verify_sizes == sorted(verify_sizes, reverse=True) and verify_sizes[-1] < len(prompts)
-    assert sum(batch_sizes) == sum(r.stats["target_forwards"] for r in out.rows)
+    one_token_prompts = sum(len(p) == 1 for p in prompts)  # in the prefill forward, all pads, not counted
+    assert sum(batch_sizes) == sum(r.stats["target_forwards"] for r in out.rows) + one_token_prompts

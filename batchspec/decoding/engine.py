@@ -232,7 +232,8 @@ class BatchDecoder:
         if ids.shape[1] > 1:
             for kv in self.caches:
                 kv.forward(ids[:, :-1], mask[:, :-1], logits_to_keep=1)
-            self.rows.counts[:, : len(self.caches)] += 1
+            own_prefill = (mask.sum(-1) > 1).long()  # a 1-token prompt has nothing to prefill
+            self.rows.counts[:, : len(self.caches)] += own_prefill[:, None]
         self.results: list[RowOutput | None] = [None] * len(prompts)
         self.totals = {"slots": 0, "empty_slots": 0, "verify_steps": 0, "compactions": 0}
         self.padding_fraction = 1.0 - float(mask.float().mean())
@@ -296,13 +297,16 @@ class BatchDecoder:
     def run(self) -> BatchOutput:
         while not self.done:
             self.step()
+        return self.output()
+
+    def output(self) -> BatchOutput:
+        """Results of a finished batch; stats: padding and wasted-cache fractions, raw slot counts."""
         totals = self.totals
         stats = {
             "rows": len(self.prompts),
             "padding_fraction": self.padding_fraction,
             "wasted_cache_fraction": totals["empty_slots"] / totals["slots"] if totals["slots"] else 0.0,
-            "verify_steps": totals["verify_steps"],
-            "compactions": totals["compactions"],
+            **totals,
         }
         return BatchOutput(self.results, stats)
 

@@ -1,0 +1,101 @@
+"""Static length buckets: tokenize a bounded window of rows, sort by length, cut batches.
+
+Knows the tokenizer (through `encode`), nothing of models. Errors pass straight through.
+"""
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from batchspec.sources import Row, RowError
+
+
+@dataclass
+class Batch:
+    rows: list[Row]
+    prompts: list[list[int]]  # token ids, one list per row
+
+    @property
+    def padding(self) -> tuple[int, int]:
+        """(pad slots, all slots) of the left-padded prompt tensor."""
+        width = max(map(len, self.prompts))
+        return width * len(self.prompts) - sum(map(len, self.prompts)), width * len(self.prompts)
+
+
+Encode = Callable[[list[Row]], list[list[int] | RowError]]
+
+
+def cut(encoded: list[tuple[Row, list[int]]], batch_size: int, max_batch_tokens: int | None, max_new_tokens: int):
+    """Longest first (a batch that does not fit memory fails at once, not hours in), then fill
+    each batch up to batch_size rows and, with a budget, rows * (longest prompt + max_new_tokens)
+    <= max_batch_tokens (a batch always takes at least one row)."""
+    encoded = sorted(encoded, key=lambda pair: len(pair[1]), reverse=True)
+    batch: list[tuple[Row, list[int]]] = []
+    for row, ids in encoded:
+        longest = len(batch[0][1]) if batch else len(ids)
+        over_budget = max_batch_tokens is not None and (len(batch) + 1) * (longest + max_new_tokens) > max_batch_tokens
+        if batch and (len(batch) == batch_size or over_budget):
+            yield Batch([r for r, _ in batch], [i for _, i in batch])
+            batch = []
+        batch.append((row, ids))
+    if batch:
+        yield Batch([r for r, _ in batch], [i for _, i in batch])
+
+
+def plan(
+    items: Iterable[Row | RowError],
+    encode: Encode,
+    *,
+    window: int,
+    batch_size: int,
+    max_batch_tokens: int | None,
+    max_new_tokens: int,
+) -> Iterator[Batch | RowError]:
+    """Errors as they come; rows in windows of `window`, each window cut into static batches."""
+
+    def flush(rows: list[Row]):
+        encoded = []
+        for row, ids in zip(rows, encode(rows)):
+            if isinstance(ids, RowError):
+                yield ids
+            else:
+                encoded.append((row, ids))
+        yield from cut(encoded, batch_size, max_batch_tokens, max_new_tokens)
+
+    rows: list[Row] = []
+    for item in items:
+        if isinstance(item, RowError):
+            yield item
+            continue
+        rows.append(item)
+        if len(rows) >= window:
+            yield from flush(rows)
+            rows = []
+    if rows:
+        yield from flush(rows)
+
+
+def make_encoder(tokenizer, *, context_length: int | None, max_new_tokens: int, truncate: str | None) -> Encode:
+    """Tokenize prompts as raw text (with the tokenizer's special tokens, e.g. BOS), enforce the
+    context: prompt tokens + max_new_tokens <= context_length, or cut the prompt on the
+    `truncate` side ("left" keeps its end, "right" keeps its start)."""
+    limit = None if context_length is None else context_length - max_new_tokens
+
+    def encode(rows: list[Row]) -> list[list[int] | RowError]:
+        out = []
+        for row, ids in zip(rows, tokenizer([r.prompt for r in rows])["input_ids"]):
+            if not ids:
+                out.append(RowError(row.line, row.id, "empty_prompt", "the prompt has no tokens"))
+            elif limit is not None and len(ids) > limit:
+                if truncate is None:
+                    message = (
+                        f"prompt has {len(ids)} tokens; with max_new_tokens {max_new_tokens} it exceeds the "
+                        f"target's context of {context_length} (use --truncate left|right to cut it)"
+                    )
+                    out.append(RowError(row.line, row.id, "too_long", message))
+                else:
+                    out.append(ids[len(ids) - limit :] if truncate == "left" else ids[:limit])
+            else:
+                out.append(ids)
+        return out
+
+    return encode

@@ -1,0 +1,85 @@
+"""Command line: parse options into one RunConfig and call the job. The only module using click."""
+
+import sys
+import traceback
+
+import click
+
+from batchspec import __version__
+from batchspec.config import RunConfig
+from batchspec.errors import UserError
+
+
+def option(name: str, **kwargs):
+    """A --name option that can also come from BATCHSPEC_<NAME>, with its default shown in --help."""
+    envvar = "BATCHSPEC_" + name.lstrip("-").split("/")[0].replace("-", "_").upper()
+    return click.option(name, envvar=envvar, show_envvar=True, show_default=True, **kwargs)
+
+
+def fail(message: str, error: BaseException, debug: bool, code: int) -> None:
+    if debug:
+        traceback.print_exception(error)
+    click.echo(f"batchspec: {message}", err=True)
+    sys.exit(code)
+
+
+def guarded(job, debug: bool) -> int:
+    """Run job(); user errors and crashes become one line on stderr and an exit code."""
+    try:
+        return job()
+    except UserError as e:
+        fail(f"error: {e}", e, debug, e.exit_code)
+    except KeyboardInterrupt as e:
+        fail("interrupted; rerun the same command to resume", e, debug, 75)
+    except Exception as e:  # noqa: BLE001 - the one place that turns crashes into a clean exit 1
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        fail(f"error: {type(e).__name__}: {first_line} (--debug shows the traceback)", e, debug, 1)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="batchspec")
+def main():
+    """batchspec: JSONL prompts in, JSONL completions out, by lossless batched speculative decoding."""
+
+
+@main.command()
+@click.argument("input", type=click.Path(exists=True, dir_okay=False), envvar="BATCHSPEC_INPUT")
+@option("--out", required=True, type=click.Path(dir_okay=False), help="Output JSONL (errors, summary beside it).")
+@option("--target", required=True, help="Target model: Hub id, local folder or .gguf file.")
+@option("--draft", default=None, help="Draft model sharing the target's tokenizer (needed by --mode spec).")
+@option("--mode", type=click.Choice(["spec", "ar"]), default="spec",
+        help="spec: draft proposes, target verifies. ar: the target alone.")
+@option("--gamma", type=click.IntRange(1, 64), default=5, help="Draft tokens proposed per step.")
+@option("--max-new-tokens", type=click.IntRange(1), default=256, help="Most tokens generated per row.")
+@option("--temperature", type=click.FloatRange(0), default=None,
+        help="0 = greedy. Default: the target's generation_config (greedy unless it samples).")
+@option("--top-k", type=click.IntRange(0), default=None, help="Top-k filter, 0 = off. Default: generation_config.")
+@option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None,
+        help="Nucleus filter, 1 = off. Default: generation_config.")
+@option("--seed", type=int, default=0, help="With the row id, seeds each row's own sampling.")
+@option("--batch-size", type=click.IntRange(1), default=8, help="Rows per static batch.")
+@option("--max-batch-tokens", type=click.IntRange(1), default=None,
+        help="Budget per batch: rows x (longest prompt + max new tokens).")
+@option("--window", type=click.IntRange(1), default=1024, help="Rows read, sorted by length and batched at a time.")
+@option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
+        help="auto: bfloat16 on a GPU that has it, float32 on CPU.")
+@option("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
+@option("--prompt-field", default="prompt", help="Input field holding the prompt text.")
+@option("--id-field", default="id", help="Input field holding the row id (else the line number).")
+@option("--truncate", type=click.Choice(["left", "right"]), default=None,
+        help="Cut prompts too long for the context (left keeps the end) instead of an error record.")
+@option("--token-ids", is_flag=True, default=False, help="Add the generated token ids to each record.")
+@option("--overwrite", is_flag=True, default=False, help="Start OUT over instead of resuming it.")
+@option("--dry-run", is_flag=True, default=False, help="Check the input and show batches; load no weights.")
+@option("--progress/--no-progress", default=True, help="Progress bar on stderr.")
+@option("--debug", is_flag=True, default=False, help="Show tracebacks.")
+def run(input, debug, **options):
+    """Complete every prompt of INPUT (JSONL, or .jsonl.gz) into OUT, resuming OUT if it exists.
+
+    Exit codes: 0 all rows done; 3 done, some rows in the error file; 75 interrupted (rerun to
+    resume); 2 usage error; 1 any other failure.
+    """
+    from batchspec import job  # torch and transformers load only once the options are fine
+
+    config = RunConfig(input=input, **options)
+    sys.exit(guarded(lambda: job.run(config), debug))

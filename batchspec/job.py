@@ -1,0 +1,219 @@
+"""The batch job: source -> buckets -> decoder -> sink, with progress, resume and clean stops."""
+
+import platform
+import signal
+import sys
+from collections import Counter
+
+import orjson
+import torch
+import transformers
+from tqdm import tqdm
+
+import batchspec
+from batchspec.buckets import Batch, make_encoder, plan
+from batchspec.config import RunConfig
+from batchspec.decoding import DecodeConfig, resolve_sampling
+from batchspec.decoding.engine import BatchDecoder
+from batchspec.errors import UsageError
+from batchspec.models import context_length, load_config, load_pair, load_tokenizer
+from batchspec.sink import OutputPaths, Sink, check_fingerprint, locked, write_atomic
+from batchspec.sources import RowError, count_lines, read_jsonl
+from batchspec.stats import RunStats
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ROW_ERRORS, EXIT_INTERRUPTED = 0, 1, 2, 3, 75
+STOP_SIGNALS = tuple(s for s in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGUSR1", None)) if s)
+
+
+def say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+class StopSignals:
+    """SIGTERM, SIGINT and SIGUSR1 (SLURM's preemption notice) ask the run to stop between two
+    decode steps; the batch in flight is dropped (the rerun redoes it), nothing is torn."""
+
+    def __init__(self):
+        self.received: int | None = None
+
+    def __enter__(self):
+        self.previous = {s: signal.signal(s, self.handle) for s in STOP_SIGNALS}
+        return self
+
+    def handle(self, signum, frame):
+        self.received = signum
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+def check_options(cfg: RunConfig) -> None:
+    if cfg.mode not in ("spec", "ar"):
+        raise UsageError(f"--mode must be spec or ar, got {cfg.mode!r}")
+    if cfg.mode == "spec" and not cfg.draft and not cfg.dry_run:
+        raise UsageError("--mode spec needs a --draft model (or use --mode ar)")
+    for name in ("gamma", "max_new_tokens", "batch_size", "window"):
+        if getattr(cfg, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+
+
+def iter_items(cfg: RunConfig):
+    return read_jsonl(cfg.input, prompt_field=cfg.prompt_field, id_field=cfg.id_field)
+
+
+def record(row, output, tokenizer, token_ids: bool) -> dict:
+    rec = {
+        "id": row.id,
+        "prompt": row.prompt,
+        "completion": tokenizer.decode(output.token_ids, skip_special_tokens=True),
+        "finish_reason": output.finish_reason,
+        "stats": output.stats,
+    }
+    if token_ids:
+        rec["token_ids"] = output.token_ids
+    return rec
+
+
+def decode(pair, draft, batch: Batch, config: DecodeConfig, stop: StopSignals):
+    """One batch through the decoder; None when a stop signal came first."""
+    decoder = BatchDecoder(pair.target, draft, batch.prompts, [r.id for r in batch.rows], config)
+    while not decoder.done:
+        if stop.received:
+            return None
+        decoder.step()
+    return decoder.output()
+
+
+def run(cfg: RunConfig) -> int:
+    check_options(cfg)
+    if cfg.dry_run:
+        return dry_run(cfg)
+    paths = OutputPaths.of(cfg.out)
+    with StopSignals() as stop, locked(paths):
+        if cfg.overwrite:
+            for path in paths.all():
+                path.unlink(missing_ok=True)
+        check_fingerprint(paths, cfg.fingerprint())
+        sink = Sink(paths)
+        try:
+            return run_locked(cfg, paths, sink, stop)
+        finally:
+            sink.close()
+
+
+def run_locked(cfg: RunConfig, paths: OutputPaths, sink: Sink, stop: StopSignals) -> int:
+    if sink.resumed_rows or sink.resumed_errors:
+        say(f"resuming {paths.out}: {sink.resumed_rows} rows and {sink.resumed_errors} errors already written")
+    pair = load_pair(cfg.target, cfg.draft if cfg.mode == "spec" else None, dtype=cfg.dtype, device=cfg.device)
+    sampling = resolve_sampling(pair.target.generation_config, temperature=cfg.temperature, top_k=cfg.top_k,
+                                top_p=cfg.top_p)
+    config = DecodeConfig(max_new_tokens=cfg.max_new_tokens, eos_token_ids=pair.eos_token_ids, sampling=sampling,
+                          gamma=cfg.gamma, seed=cfg.seed)
+    encode = make_encoder(pair.tokenizer, context_length=pair.context_length, max_new_tokens=cfg.max_new_tokens,
+                          truncate=cfg.truncate)
+    stats = RunStats()
+    bar = tqdm(total=count_lines(cfg.input), unit="row", file=sys.stderr, disable=not cfg.progress,
+               mininterval=1 if sys.stderr.isatty() else 30, dynamic_ncols=True)
+
+    def fresh(items):
+        for item in items:
+            if sink.is_done(item):
+                stats.rows_skipped += 1
+                bar.update(1)
+            else:
+                yield item
+
+    interrupted = False
+    batches = plan(fresh(iter_items(cfg)), encode, window=cfg.window, batch_size=cfg.batch_size,
+                   max_batch_tokens=cfg.max_batch_tokens, max_new_tokens=cfg.max_new_tokens)
+    for item in batches:
+        if isinstance(item, RowError):
+            sink.error(item)
+            stats.rows_error += 1
+            bar.update(1)
+            continue
+        output = decode(pair, pair.draft, item, config, stop)
+        if output is None:
+            interrupted = True
+            break
+        sink.write([record(r, o, pair.tokenizer, cfg.token_ids) for r, o in zip(item.rows, output.rows)])
+        stats.add_batch(item, output)
+        bar.update(len(item.rows))
+        bar.set_postfix(stats.postfix(), refresh=False)
+    bar.close()
+    sink.flush_errors()
+    code = EXIT_INTERRUPTED if interrupted else EXIT_ROW_ERRORS if sink.error_lines else EXIT_OK
+    summary = {
+        "finished": not interrupted,
+        "exit_code": code,
+        "input": cfg.input,
+        "out": str(paths.out),
+        "rows_in_output": len(sink.done),
+        "errors_in_file": len(sink.error_lines),
+        **stats.summary(),
+        "models": {
+            "target": cfg.target,
+            "draft": cfg.draft if cfg.mode == "spec" else None,
+            "dtype": str(pair.target.dtype).removeprefix("torch."),
+            "device": str(pair.target.device),
+            "sampling": vars(sampling) | {"greedy": sampling.greedy},
+            "eos_token_ids": list(pair.eos_token_ids),
+        },
+        "options": cfg.options(),
+        "versions": versions(),
+    }
+    write_atomic(paths.summary, orjson.dumps(summary, option=orjson.OPT_INDENT_2))
+    print_summary(summary, paths, interrupted)
+    return code
+
+
+def versions() -> dict:
+    return {"batchspec": batchspec.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version()}
+
+
+def print_summary(summary: dict, paths: OutputPaths, interrupted: bool) -> None:
+    rate = summary["acceptance_rate"]
+    lines = [
+        "interrupted: rerun the same command to resume" if interrupted else "done",
+        f"  rows       {summary['rows_ok']} ok, {summary['rows_error']} errors, {summary['rows_skipped']} already done",
+        f"  tokens     {summary['completion_tokens']} generated in {summary['seconds']:.1f}s "
+        f"({summary['tokens_per_s']:.1f} tok/s)",
+        f"  acceptance {rate:.3f}" if rate is not None else "  acceptance n/a (autoregressive)",
+        f"  padding    {summary['padding_fraction']:.3f} of prompt slots, "
+        f"{summary['wasted_cache_fraction']:.3f} of cache slots wasted",
+        f"  output     {paths.out}",
+    ]
+    if summary["errors_in_file"]:
+        lines.append(f"  errors     {paths.errors} ({summary['errors_in_file']} rows)")
+    lines.append(f"  summary    {paths.summary}")
+    say("\n".join(lines))
+
+
+def dry_run(cfg: RunConfig) -> int:
+    """Check the input, count rows and errors and show the batches, loading no weights."""
+    tokenizer = load_tokenizer(cfg.target)
+    encode = make_encoder(tokenizer, context_length=context_length(load_config(cfg.target)),
+                          max_new_tokens=cfg.max_new_tokens, truncate=cfg.truncate)
+    errors, lengths, batch_sizes = Counter(), Counter(), Counter()
+    rows = pads = slots = 0
+    for item in plan(iter_items(cfg), encode, window=cfg.window, batch_size=cfg.batch_size,
+                     max_batch_tokens=cfg.max_batch_tokens, max_new_tokens=cfg.max_new_tokens):
+        if isinstance(item, RowError):
+            if sum(errors.values()) < 20:
+                say(f"line {item.line}: {item.type}: {item.message}")
+            errors[item.type] += 1
+            continue
+        rows += len(item.rows)
+        batch_sizes[len(item.rows)] += 1
+        pads, slots = pads + item.padding[0], slots + item.padding[1]
+        for ids in item.prompts:
+            lengths[1 << (len(ids) - 1).bit_length()] += 1
+    say(f"dry run of {cfg.input}: {rows} rows ok, {sum(errors.values())} errors"
+        + "".join(f"\n  {kind}: {n}" for kind, n in errors.most_common()))
+    say("prompt tokens (up to)  rows\n" + "\n".join(f"  {k:>20}  {lengths[k]}" for k in sorted(lengths)))
+    say(f"batches: {sum(batch_sizes.values())} (rows per batch: "
+        + ", ".join(f"{size}x{n}" for size, n in sorted(batch_sizes.items(), reverse=True))
+        + f"), padding fraction {pads / slots if slots else 0:.3f}")
+    return EXIT_ROW_ERRORS if errors else EXIT_OK

@@ -1,0 +1,72 @@
+"""Run-level statistics: added up batch by batch, shown on the progress bar and in the summary."""
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RunStats:
+    rows_ok: int = 0
+    rows_error: int = 0
+    rows_skipped: int = 0  # done by an earlier run of the same OUT
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    pad_slots: int = 0
+    prompt_slots: int = 0
+    empty_cache_slots: int = 0
+    cache_slots: int = 0
+    batches: int = 0
+    histogram: list[int] = field(default_factory=list)  # accepted lengths 0..gamma, all rows
+    started: float = field(default_factory=time.monotonic)
+
+    def add_batch(self, batch, output) -> None:
+        """batch: buckets.Batch; output: decoding.BatchOutput."""
+        self.batches += 1
+        self.rows_ok += len(output.rows)
+        pads, slots = batch.padding
+        self.pad_slots += pads
+        self.prompt_slots += slots
+        self.empty_cache_slots += output.stats["empty_slots"]
+        self.cache_slots += output.stats["slots"]
+        for row in output.rows:
+            s = row.stats
+            self.prompt_tokens += s["prompt_tokens"]
+            self.completion_tokens += s["completion_tokens"]
+            self.draft_tokens += s["draft_tokens"]
+            self.accepted_tokens += s["accepted_tokens"]
+            hist = s["accepted_length_histogram"]
+            self.histogram = [a + b for a, b in zip(self.histogram, hist)] if self.histogram else list(hist)
+
+    @property
+    def seconds(self) -> float:
+        return time.monotonic() - self.started
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+
+    def postfix(self) -> dict:
+        shown = {"tok/s": f"{self.completion_tokens / max(self.seconds, 1e-9):.1f}"}
+        if self.acceptance_rate is not None:
+            shown["accept"] = f"{self.acceptance_rate:.2f}"
+        return shown
+
+    def summary(self) -> dict:
+        return {
+            "rows_ok": self.rows_ok,
+            "rows_error": self.rows_error,
+            "rows_skipped": self.rows_skipped,
+            "batches": self.batches,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "seconds": round(self.seconds, 3),
+            "tokens_per_s": round(self.completion_tokens / max(self.seconds, 1e-9), 2),
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "accepted_length_histogram": self.histogram,
+            "padding_fraction": self.pad_slots / self.prompt_slots if self.prompt_slots else 0.0,
+            "wasted_cache_fraction": self.empty_cache_slots / self.cache_slots if self.cache_slots else 0.0,
+        }
