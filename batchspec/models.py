@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
 
 from batchspec.errors import UsageError
 
@@ -56,6 +57,7 @@ def load_tokenizer(spec: str):
 
 def load_model(spec: str, dtype: torch.dtype, device: torch.device):
     path, kwargs = source(spec)
+    hf_logging.disable_progress_bar()  # the job shows its own progress
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", **kwargs)
     except (OSError, ValueError) as e:

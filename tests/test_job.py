@@ -1,0 +1,265 @@
+"""`batchspec run` as users run it: a subprocess over JSONL, killed, signalled, resumed, locked."""
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import orjson
+import pytest
+import torch
+
+from batchspec.models import load_pair
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+WORDS = "the cat sat on a mat and then it went home to read a small book about water in the old house".split()
+ROWS = 200
+BAD = [
+    b'{"id": "bad-json", "prompt": "oops',
+    b'{"id": "trailing", "prompt": "x"} junk',
+    b"[1, 2, 3]",
+    b'{"id": "no-prompt"}',
+    b'{"id": "null-prompt", "prompt": null}',
+    b'{"id": "number-prompt", "prompt": 42}',
+    b'{"id": "latin1", "prompt": "caf\xe9"}',
+    b'{"id": "row-7", "prompt": "a duplicate id"}',
+]
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "batchspec", "run", *args]
+
+
+def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(cli(*args), env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def write_input(path, rows: int = ROWS, seed: int = 0):
+    rng = random.Random(seed)
+    lines = [orjson.dumps({"id": f"row-{i}", "prompt": " ".join(rng.choices(WORDS, k=rng.randint(1, 30)))})
+             for i in range(rows)]
+    for k, bad in enumerate(BAD):  # bad lines spread through the file, and a blank line
+        lines.insert(17 * (k + 1), bad)
+    lines.insert(5, b"")
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_pair, tmp_path_factory):
+    root = tmp_path_factory.mktemp("job")
+    target, draft = tiny_pair("llama")
+    models = ["--target", str(target), "--draft", str(draft), "--max-new-tokens", "24", "--batch-size", "2",
+              "--no-progress", "--token-ids"]
+    source = write_input(root / "in.jsonl")
+    reference = root / "reference.jsonl"
+    result = run_cli(str(source), "--out", str(reference), *models)
+    assert result.returncode == 3, result.stderr  # done, with rows in the error file
+    return {"root": root, "models": models, "input": source, "reference": reference, "target": target}
+
+
+def lines(path) -> list[bytes]:
+    return sorted(path.read_bytes().splitlines()) if path.exists() else []
+
+
+def sidecar(out, suffix):
+    return out.with_name(out.name.removesuffix(".jsonl") + suffix)
+
+
+def assert_same_as_reference(out, setup):
+    assert lines(out) == lines(setup["reference"])
+    assert lines(sidecar(out, ".errors.jsonl")) == lines(sidecar(setup["reference"], ".errors.jsonl"))
+    ids = [orjson.loads(line)["id"] for line in lines(out)]
+    assert len(ids) == len(set(ids)) == ROWS  # the second "row-7" is a duplicate_id error
+
+
+def test_every_line_lands_in_exactly_one_file(setup):
+    reference = setup["reference"]
+    records = [orjson.loads(line) for line in lines(reference)]
+    errors = [orjson.loads(line) for line in lines(sidecar(reference, ".errors.jsonl"))]
+    assert {e["error"]["type"] for e in errors} == {
+        "invalid_json", "trailing_data", "not_an_object", "missing_prompt", "invalid_prompt", "invalid_utf8",
+        "duplicate_id",
+    }
+    non_blank = [n for n, line in enumerate(setup["input"].read_bytes().splitlines(), 1) if line.strip()]
+    ok_ids = {r["id"] for r in records}
+    error_lines = sorted(e["line"] for e in errors)
+    assert len(records) + len(errors) == len(non_blank) and len(error_lines) == len(set(error_lines))
+    assert len(ok_ids) == len(records)
+    for r in records:
+        assert set(r) == {"id", "prompt", "completion", "finish_reason", "stats", "token_ids"}
+        assert r["finish_reason"] in ("stop", "length") and r["stats"]["completion_tokens"] == len(r["token_ids"])
+    summary = orjson.loads(sidecar(reference, ".summary.json").read_bytes())
+    assert summary["finished"] and summary["rows_ok"] == len(records) and summary["rows_error"] == len(errors)
+    assert 0 < summary["acceptance_rate"] < 1 and summary["completion_tokens"] > 0
+    assert {"models", "options", "versions", "padding_fraction", "wasted_cache_fraction"} <= set(summary)
+
+
+def test_completions_equal_target_generate(setup):
+    """End to end, through tokenization and bucketing: token ids equal the target alone."""
+    pair = load_pair(str(setup["target"]), dtype="float32", device="cpu")
+    records = [orjson.loads(line) for line in lines(setup["reference"])]
+    for r in records[:: max(1, len(records) // 40)]:
+        ids = pair.tokenizer(r["prompt"], return_tensors="pt")["input_ids"]
+        with torch.inference_mode():
+            out = pair.target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24,
+                                       pad_token_id=0)
+        assert out[0, ids.shape[1] :].tolist() == r["token_ids"]
+        assert r["completion"] == pair.tokenizer.decode(r["token_ids"], skip_special_tokens=True)
+
+
+def wait_for_records(out, count: int, process, timeout: float = 120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        if out.exists() and out.read_bytes().count(b"\n") >= count:
+            return
+        time.sleep(0.002)
+
+
+@pytest.mark.parametrize("moment", [0, 1, ROWS // 2])
+def test_kill_9_then_resume_gives_the_uninterrupted_result(setup, tmp_path, moment):
+    out = tmp_path / "out.jsonl"
+    process = subprocess.Popen(cli(str(setup["input"]), "--out", str(out), *setup["models"]), env=ENV,
+                               stderr=subprocess.DEVNULL)
+    wait_for_records(out, moment, process)
+    process.kill()
+    assert process.wait() == -signal.SIGKILL  # it really died mid-run
+    written = out.read_bytes().count(b"\n") if out.exists() else 0
+    assert written < ROWS
+    result = run_cli(str(setup["input"]), "--out", str(out), *setup["models"])
+    assert result.returncode == 3, result.stderr
+    assert_same_as_reference(out, setup)
+
+
+def test_torn_last_line_is_dropped_and_redone(setup, tmp_path):
+    out = tmp_path / "out.jsonl"
+    reference_lines = setup["reference"].read_bytes().splitlines(keepends=True)
+    out.write_bytes(b"".join(reference_lines[:10]) + reference_lines[10][:25])  # killed mid-write
+    shutil.copy(sidecar(setup["reference"], ".run.json"), sidecar(out, ".run.json"))
+    result = run_cli(str(setup["input"]), "--out", str(out), *setup["models"])
+    assert result.returncode == 3, result.stderr
+    assert "resuming" in result.stderr
+    assert_same_as_reference(out, setup)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1])
+def test_stop_signal_exits_75_then_rerun_completes(setup, tmp_path, signum):
+    out = tmp_path / "out.jsonl"
+    process = subprocess.Popen(cli(str(setup["input"]), "--out", str(out), *setup["models"]), env=ENV,
+                               stderr=subprocess.PIPE, text=True)
+    wait_for_records(out, 3, process)
+    process.send_signal(signum)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 75, stderr
+    assert "Traceback" not in stderr and "resume" in stderr
+    summary = orjson.loads(sidecar(out, ".summary.json").read_bytes())
+    assert summary["finished"] is False and summary["exit_code"] == 75
+    assert all(orjson.loads(line) for line in out.read_bytes().splitlines())  # nothing torn
+    assert out.read_bytes().count(b"\n") < ROWS
+    result = run_cli(str(setup["input"]), "--out", str(out), *setup["models"])
+    assert result.returncode == 3
+    assert_same_as_reference(out, setup)
+    assert orjson.loads(sidecar(out, ".summary.json").read_bytes())["finished"] is True
+
+
+def test_second_writer_is_refused_at_once(setup, tmp_path):
+    out = tmp_path / "out.jsonl"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from batchspec.sink import OutputPaths, locked\n"
+         "with locked(OutputPaths.of(sys.argv[1])):\n    print('locked', flush=True); time.sleep(120)", str(out)],
+        env=ENV, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        result = run_cli(str(setup["input"]), "--out", str(out), *setup["models"])
+    finally:
+        holder.kill()
+        holder.wait()
+    assert result.returncode == 1
+    assert f"(pid {holder.pid}) is writing" in result.stderr and "Traceback" not in result.stderr
+    assert not out.exists()
+
+
+def test_changed_options_refuse_to_resume_unless_overwrite(setup, tmp_path):
+    out = tmp_path / "out.jsonl"
+    small = write_input(tmp_path / "small.jsonl", rows=6)
+    assert run_cli(str(small), "--out", str(out), *setup["models"]).returncode == 3
+    changed = [*setup["models"], "--max-new-tokens", "5"]
+    result = run_cli(str(small), "--out", str(out), *changed)
+    assert result.returncode == 2 and "max_new_tokens" in result.stderr and "--overwrite" in result.stderr
+    result = run_cli(str(small), "--out", str(out), *changed, "--overwrite")
+    assert result.returncode == 3
+    assert all(len(orjson.loads(line)["token_ids"]) <= 5 for line in out.read_bytes().splitlines())
+
+
+def test_options_from_environment_and_clean_stdout(setup, tmp_path):
+    out = tmp_path / "out.jsonl"
+    small = write_input(tmp_path / "small.jsonl", rows=6)
+    env = {**ENV, "BATCHSPEC_MAX_NEW_TOKENS": "3", "BATCHSPEC_MODE": "ar"}
+    models = [a for a in setup["models"] if a not in ("--max-new-tokens", "24")]
+    result = subprocess.run(cli(str(small), "--out", str(out), *models), env=env, capture_output=True, text=True)
+    assert result.returncode == 3 and result.stdout == ""
+    records = [orjson.loads(line) for line in out.read_bytes().splitlines()]
+    assert records and all(len(r["token_ids"]) <= 3 and r["stats"]["draft_tokens"] == 0 for r in records)
+    assert "rows" in result.stderr and "tok/s" in result.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--mode", "spec"], "needs a --draft"),
+    (["--draft", "/nonexistent/model"], "cannot load"),
+    (["--gamma", "0"], "--gamma"),
+])
+def test_usage_errors_exit_2_without_traceback(setup, tmp_path, args, message):
+    result = run_cli(str(setup["input"]), "--out", str(tmp_path / "o.jsonl"), "--target", str(setup["target"]),
+                     "--no-progress", *args)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_context_overflow_is_an_error_record_unless_truncated(setup, tmp_path):
+    long_prompt = " ".join(["water"] * 40)
+    source = tmp_path / "long.jsonl"
+    source.write_bytes(orjson.dumps({"id": "long", "prompt": long_prompt}) + b"\n"
+                       + orjson.dumps({"id": "short", "prompt": "the cat"}) + b"\n")
+    models = ["--target", str(setup["target"]), "--mode", "ar", "--no-progress", "--max-new-tokens", "1000"]
+    out = tmp_path / "out.jsonl"
+    assert run_cli(str(source), "--out", str(out), *models).returncode == 3
+    error = orjson.loads(sidecar(out, ".errors.jsonl").read_bytes())
+    assert error["id"] == "long" and error["error"]["type"] == "too_long" and "1024" in error["error"]["message"]
+    for side in ("left", "right"):
+        out = tmp_path / f"out-{side}.jsonl"
+        assert run_cli(str(source), "--out", str(out), *models, "--truncate", side).returncode == 0
+        assert {orjson.loads(line)["id"] for line in out.read_bytes().splitlines()} == {"long", "short"}
+
+
+def test_dry_run_needs_no_weights(setup, tmp_path):
+    no_weights = tmp_path / "target-no-weights"
+    shutil.copytree(setup["target"], no_weights, ignore=shutil.ignore_patterns("*.safetensors"))
+    out = tmp_path / "out.jsonl"
+    result = run_cli(str(setup["input"]), "--out", str(out), "--target", str(no_weights), "--dry-run")
+    assert result.returncode == 3, result.stderr
+    assert f"{ROWS} rows ok, {len(BAD)} errors" in result.stderr
+    assert "duplicate_id: 1" in result.stderr and "batches: " in result.stderr
+    assert not out.exists() and not list(tmp_path.glob("out*"))
+
+
+def max_rss_kib(args) -> int:
+    process = subprocess.Popen(cli(*args), env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _, status, usage = os.wait4(process.pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    return usage.ru_maxrss
+
+
+def test_memory_stays_flat_on_200k_lines(setup, tmp_path):
+    """A dry run streams the input in windows: 10x the lines must not need 10x the memory."""
+    sizes = {}
+    for rows in (20_000, 200_000):
+        path = tmp_path / f"in-{rows}.jsonl"
+        with open(path, "wb") as f:
+            for i in range(rows):
+                f.write(orjson.dumps({"id": i, "prompt": f"the cat sat on mat number {i}"}) + b"\n")
+        sizes[rows] = max_rss_kib([str(path), "--out", str(tmp_path / "o.jsonl"), "--target", str(setup["target"]),
+                                   "--dry-run", "--window", "512"])
+    assert sizes[200_000] < sizes[20_000] + 24 * 1024, sizes  # under 24 MiB more (8 bytes an id are kept)
