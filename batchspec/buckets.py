@@ -6,6 +6,7 @@ Knows the tokenizer (through `encode`), nothing of models. Errors pass straight 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
+from batchspec.errors import UsageError
 from batchspec.sources import Row, RowError
 
 
@@ -74,28 +75,48 @@ def plan(
         yield from flush(rows)
 
 
-def make_encoder(tokenizer, *, context_length: int | None, max_new_tokens: int, truncate: str | None) -> Encode:
-    """Tokenize prompts as raw text (with the tokenizer's special tokens, e.g. BOS), enforce the
-    context: prompt tokens + max_new_tokens <= context_length, or cut the prompt on the
-    `truncate` side ("left" keeps its end, "right" keeps its start)."""
+def make_encoder(
+    tokenizer, *, context_length: int | None, max_new_tokens: int, truncate: str | None,
+    chat: bool = False, system: str | None = None,
+) -> Encode:
+    """Token ids per row. Chat rows (and, with `chat`, plain prompts as one user message) go
+    through the tokenizer's chat template with the generation prompt; other prompts are raw
+    text (with the tokenizer's own special tokens, e.g. a BOS). `system` adds a system message
+    to chats that have none. Then prompt tokens + max_new_tokens <= context_length, or the
+    prompt is cut on the `truncate` side ("left" keeps its end, "right" keeps its start)."""
     limit = None if context_length is None else context_length - max_new_tokens
 
+    def chat_ids(messages: list[dict]) -> list[int]:
+        if system is not None and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": system}, *messages]
+        if not tokenizer.chat_template:
+            raise UsageError("the target's tokenizer has no chat template, so chat rows (messages, --chat, "
+                             "--system) cannot be rendered; give plain prompts or a chat model")
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+
+    def fit(row: Row, ids: list[int]) -> list[int] | RowError:
+        if not ids:
+            return RowError(row.line, row.id, "empty_prompt", "the prompt has no tokens")
+        if limit is None or len(ids) <= limit:
+            return ids
+        if truncate is not None:
+            return ids[len(ids) - limit :] if truncate == "left" else ids[:limit]
+        message = (
+            f"prompt has {len(ids)} tokens; with max_new_tokens {max_new_tokens} it exceeds the "
+            f"target's context of {context_length} (use --truncate left|right to cut it)"
+        )
+        return RowError(row.line, row.id, "too_long", message)
+
     def encode(rows: list[Row]) -> list[list[int] | RowError]:
+        raw = [r for r in rows if r.messages is None and not chat]
+        raw_ids = iter(tokenizer([r.prompt for r in raw])["input_ids"] if raw else [])
         out = []
-        for row, ids in zip(rows, tokenizer([r.prompt for r in rows])["input_ids"]):
-            if not ids:
-                out.append(RowError(row.line, row.id, "empty_prompt", "the prompt has no tokens"))
-            elif limit is not None and len(ids) > limit:
-                if truncate is None:
-                    message = (
-                        f"prompt has {len(ids)} tokens; with max_new_tokens {max_new_tokens} it exceeds the "
-                        f"target's context of {context_length} (use --truncate left|right to cut it)"
-                    )
-                    out.append(RowError(row.line, row.id, "too_long", message))
-                else:
-                    out.append(ids[len(ids) - limit :] if truncate == "left" else ids[:limit])
+        for row in rows:
+            if row.messages is not None or chat:
+                ids = chat_ids(row.messages or [{"role": "user", "content": row.prompt}])
             else:
-                out.append(ids)
+                ids = next(raw_ids)
+            out.append(fit(row, ids))
         return out
 
     return encode

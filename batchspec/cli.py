@@ -66,6 +66,10 @@ def main():
 @option("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
 @option("--prompt-field", default="prompt", help="Input field holding the prompt text.")
 @option("--id-field", default="id", help="Input field holding the row id (else the line number).")
+@option("--messages-field", default="messages",
+        help="Input field holding a chat ([{role, content}]), used when a row has no prompt.")
+@option("--chat", is_flag=True, default=False, help="Wrap plain prompts as one user message (chat template).")
+@option("--system", default=None, help="System message added to every chat that has none.")
 @option("--truncate", type=click.Choice(["left", "right"]), default=None,
         help="Cut prompts too long for the context (left keeps the end) instead of an error record.")
 @option("--token-ids", is_flag=True, default=False, help="Add the generated token ids to each record.")

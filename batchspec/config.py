@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 
 FINGERPRINT_FIELDS = (
     "target", "draft", "mode", "gamma", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "dtype",
-    "prompt_field", "id_field", "truncate", "token_ids",
+    "prompt_field", "id_field", "messages_field", "chat", "system", "truncate", "token_ids",
 )  # what changes the records; batch size, window and device only change the speed
 
 
@@ -30,6 +30,9 @@ class RunConfig:
     device: str = "auto"
     prompt_field: str = "prompt"
     id_field: str = "id"
+    messages_field: str = "messages"
+    chat: bool = False  # wrap plain prompts as one user message
+    system: str | None = None  # system message for chats that have none
     truncate: str | None = None  # None, "left" or "right"
     token_ids: bool = False
     overwrite: bool = False

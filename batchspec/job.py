@@ -18,7 +18,7 @@ from batchspec.decoding.engine import BatchDecoder
 from batchspec.errors import UsageError
 from batchspec.models import context_length, load_config, load_pair, load_tokenizer
 from batchspec.sink import OutputPaths, Sink, check_fingerprint, locked, write_atomic
-from batchspec.sources import RowError, count_lines, read_jsonl
+from batchspec.sources import Fields, RowError, count_lines, read_jsonl
 from batchspec.stats import RunStats
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ROW_ERRORS, EXIT_INTERRUPTED = 0, 1, 2, 3, 75
@@ -59,13 +59,18 @@ def check_options(cfg: RunConfig) -> None:
 
 
 def iter_items(cfg: RunConfig):
-    return read_jsonl(cfg.input, prompt_field=cfg.prompt_field, id_field=cfg.id_field)
+    return read_jsonl(cfg.input, Fields(prompt=cfg.prompt_field, id=cfg.id_field, messages=cfg.messages_field))
+
+
+def encoder(cfg: RunConfig, tokenizer, context: int | None):
+    return make_encoder(tokenizer, context_length=context, max_new_tokens=cfg.max_new_tokens, truncate=cfg.truncate,
+                        chat=cfg.chat, system=cfg.system)
 
 
 def record(row, output, tokenizer, token_ids: bool) -> dict:
     rec = {
         "id": row.id,
-        "prompt": row.prompt,
+        **({"prompt": row.prompt} if row.messages is None else {"messages": row.messages}),
         "completion": tokenizer.decode(output.token_ids, skip_special_tokens=True),
         "finish_reason": output.finish_reason,
         "stats": output.stats,
@@ -110,8 +115,7 @@ def run_locked(cfg: RunConfig, paths: OutputPaths, sink: Sink, stop: StopSignals
                                 top_p=cfg.top_p)
     config = DecodeConfig(max_new_tokens=cfg.max_new_tokens, eos_token_ids=pair.eos_token_ids, sampling=sampling,
                           gamma=cfg.gamma, seed=cfg.seed)
-    encode = make_encoder(pair.tokenizer, context_length=pair.context_length, max_new_tokens=cfg.max_new_tokens,
-                          truncate=cfg.truncate)
+    encode = encoder(cfg, pair.tokenizer, pair.context_length)
     stats = RunStats()
     bar = tqdm(total=count_lines(cfg.input), unit="row", file=sys.stderr, disable=not cfg.progress,
                mininterval=1 if sys.stderr.isatty() else 30, dynamic_ncols=True)
@@ -194,8 +198,7 @@ def print_summary(summary: dict, paths: OutputPaths, interrupted: bool) -> None:
 def dry_run(cfg: RunConfig) -> int:
     """Check the input, count rows and errors and show the batches, loading no weights."""
     tokenizer = load_tokenizer(cfg.target)
-    encode = make_encoder(tokenizer, context_length=context_length(load_config(cfg.target)),
-                          max_new_tokens=cfg.max_new_tokens, truncate=cfg.truncate)
+    encode = encoder(cfg, tokenizer, context_length(load_config(cfg.target)))
     errors, lengths, batch_sizes = Counter(), Counter(), Counter()
     rows = pads = slots = 0
     for item in plan(iter_items(cfg), encode, window=cfg.window, batch_size=cfg.batch_size,

@@ -3,8 +3,12 @@
 A model is named by a Hub id, a local folder (save_pretrained layout) or a `.gguf` file.
 """
 
+import hashlib
 import os
+import shutil
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -38,28 +42,65 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def source(spec: str) -> tuple[str, dict]:
-    """A model spec -> (what from_pretrained loads, extra kwargs). GGUF files go through gguf_file."""
+def cache_dir() -> Path:
+    return Path(os.environ.get("BATCHSPEC_CACHE", "~/.cache/batchspec")).expanduser()
+
+
+def gguf_folder(path: str) -> Path:
+    """Where the safetensors copy of a .gguf file lives: keyed by its path, size and mtime."""
+    st = os.stat(path)
+    key = hashlib.blake2b(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}".encode(), digest_size=8)
+    return cache_dir() / "gguf" / f"{Path(path).stem}-{key.hexdigest()}"
+
+
+def convert_gguf(path: str) -> Path:
+    """Dequantize a .gguf file once (slow: tens of seconds) into a safetensors folder with its
+    tokenizer; later loads read that folder (fast). Concurrent converters (array jobs on a
+    shared cache) each write a temporary folder and the first rename wins."""
+    folder = gguf_folder(path)
+    if (folder / "config.json").exists():
+        return folder
+    print(f"batchspec: converting {path} to safetensors in {folder} (once)", file=sys.stderr, flush=True)
+    directory, name = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
+    hf_logging.disable_progress_bar()
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    model.hf_quantizer = None  # the weights are plain float tensors now
+    del model.config.quantization_config
+    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.replace(tmp, folder)
+    except OSError:  # another process got there first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def source(spec: str) -> str:
+    """A model spec -> what from_pretrained loads: a Hub id or folder as is, a .gguf via its cache."""
     if spec.endswith(".gguf"):
         if not os.path.isfile(spec):
             raise ModelError(f"GGUF file not found: {spec}")
-        return os.path.dirname(os.path.abspath(spec)), {"gguf_file": os.path.basename(spec)}
-    return spec, {}
+        try:
+            return str(convert_gguf(spec))
+        except (OSError, ValueError) as e:
+            raise ModelError(f"cannot convert GGUF file {spec!r}: {first_line(e)}") from e
+    return spec
 
 
 def load_tokenizer(spec: str):
-    path, kwargs = source(spec)
     try:
-        return AutoTokenizer.from_pretrained(path, **kwargs)
+        return AutoTokenizer.from_pretrained(source(spec))
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot load the tokenizer of {spec!r}: {first_line(e)}") from e
 
 
 def load_model(spec: str, dtype: torch.dtype, device: torch.device):
-    path, kwargs = source(spec)
+    path = source(spec)
     hf_logging.disable_progress_bar()  # the job shows its own progress
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot load model {spec!r}: {first_line(e)}") from e
     return model.to(device).eval()
@@ -99,9 +140,8 @@ def context_length(config) -> int | None:
 
 def load_config(spec: str):
     """The model's config alone (no weights): enough for a dry run's context check."""
-    path, kwargs = source(spec)
     try:
-        return AutoConfig.from_pretrained(path, **kwargs)
+        return AutoConfig.from_pretrained(source(spec))
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot load the config of {spec!r}: {first_line(e)}") from e
 

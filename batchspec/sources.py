@@ -19,8 +19,18 @@ BOM = b"\xef\xbb\xbf"
 class Row:
     id: str | int
     line: int  # 1-based line number in the input
-    prompt: str
+    prompt: str | None  # raw text to complete, or None for a chat row
     fields: dict = field(repr=False)  # the whole input object
+    messages: list[dict] | None = None  # [{role, content}, ...] for a chat row
+
+
+@dataclass(frozen=True)
+class Fields:
+    """Which input fields hold what."""
+
+    prompt: str = "prompt"
+    id: str = "id"
+    messages: str = "messages"
 
 
 @dataclass
@@ -76,7 +86,17 @@ def row_id(obj: dict, id_field: str, line: int):
     return value
 
 
-def parse_line(raw: bytes, line: int, prompt_field: str, id_field: str) -> Row | RowError:
+def check_messages(messages, name: str) -> str | None:
+    """Why `messages` is not a usable chat, or None when it is."""
+    if not isinstance(messages, list) or not messages:
+        return f"field {name!r} must be a non-empty list of {{role, content}} objects"
+    for k, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            return f"{name}[{k}] must be an object with string 'role' and 'content'"
+    return None
+
+
+def parse_line(raw: bytes, line: int, fields: Fields) -> Row | RowError:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -88,19 +108,24 @@ def parse_line(raw: bytes, line: int, prompt_field: str, id_field: str) -> Row |
     if not isinstance(obj, dict):
         return RowError(line, None, "not_an_object", f"expected a JSON object, got {json_type(obj)}")
     try:
-        rid = row_id(obj, id_field, line)
+        rid = row_id(obj, fields.id, line)
     except ValueError as e:
         return RowError(line, None, *e.args)
-    prompt = obj.get(prompt_field)
+    prompt = obj.get(fields.prompt)
+    if prompt is None and obj.get(fields.messages) is not None:
+        problem = check_messages(obj[fields.messages], fields.messages)
+        if problem:
+            return RowError(line, rid, "invalid_messages", problem)
+        return Row(rid, line, None, obj, messages=obj[fields.messages])
     if prompt is None:
-        what = "is null" if prompt_field in obj else "is missing"
-        return RowError(line, rid, "missing_prompt", f"field {prompt_field!r} {what}")
+        what = "is null" if fields.prompt in obj else "is missing"
+        return RowError(line, rid, "missing_prompt", f"field {fields.prompt!r} {what} (and no {fields.messages!r})")
     if not isinstance(prompt, str):
-        return RowError(line, rid, "invalid_prompt", f"field {prompt_field!r} must be a string, got {json_type(prompt)}")
+        return RowError(line, rid, "invalid_prompt", f"field {fields.prompt!r} must be a string, got {json_type(prompt)}")
     return Row(rid, line, prompt, obj)
 
 
-def read_jsonl(path: str, *, prompt_field: str = "prompt", id_field: str = "id") -> Iterator[Row | RowError]:
+def read_jsonl(path: str, fields: Fields = Fields()) -> Iterator[Row | RowError]:
     """Rows and errors in input order. Blank lines are skipped; a UTF-8 BOM and CRLF are fine."""
     seen = IdSet()
     with open_input(path) as f:
@@ -110,7 +135,7 @@ def read_jsonl(path: str, *, prompt_field: str = "prompt", id_field: str = "id")
             raw = raw.rstrip(b"\r\n")
             if not raw.strip():
                 continue
-            item = parse_line(raw, line, prompt_field, id_field)
+            item = parse_line(raw, line, fields)
             if item.id is not None:
                 if item.id in seen:
                     item = RowError(line, item.id, "duplicate_id", f"id {item.id!r} appears on an earlier line")

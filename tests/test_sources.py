@@ -6,7 +6,7 @@ import pytest
 
 from batchspec.buckets import Batch, cut, make_encoder, plan
 from batchspec.idset import IdSet
-from batchspec.sources import Row, RowError, read_jsonl
+from batchspec.sources import Fields, Row, RowError, read_jsonl
 
 BAD_LINES = [
     (b'{"id": 1, "prompt": "fine"}', None),
@@ -53,7 +53,7 @@ def test_bom_crlf_and_blank_lines(tmp_path):
 
 def test_custom_fields_and_numeric_ids(tmp_path):
     path = write(tmp_path, [b'{"qid": 10, "question": "q1"}', b'{"qid": "10", "question": "q2"}'])
-    items = list(read_jsonl(path, prompt_field="question", id_field="qid"))
+    items = list(read_jsonl(path, Fields(prompt="question", id="qid")))
     assert [(i.id, i.prompt) for i in items] == [(10, "q1"), ("10", "q2")]  # 10 and "10" are distinct ids
 
 
