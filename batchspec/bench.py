@@ -9,8 +9,13 @@ from dataclasses import dataclass
 
 import torch
 
+from batchspec.buckets import make_encoder
 from batchspec.decoding import DecodeConfig, decode_batch
 from batchspec.decoding.engine import left_pad
+from batchspec.defaults import default_draft, default_target
+from batchspec.errors import UsageError
+from batchspec.models import load_pair
+from batchspec.sources import Row, RowError, read_jsonl
 
 
 @dataclass
@@ -83,3 +88,29 @@ def run_bench(pair, prompts: list[list[int]], *, batch_sizes, gamma: int, max_ne
         bench_batch(pair, prompts[:size], gamma=gamma, max_new_tokens=max_new_tokens, repeats=repeats)
         for size in batch_sizes
     ]
+
+
+def load_prompts(path: str, tokenizer, count: int) -> list[list[int]]:
+    """Token ids of the first good rows of a JSONL input (chat rows templated), cycled to `count`."""
+    rows = [item for item in read_jsonl(path) if isinstance(item, Row)]
+    if not rows:
+        raise UsageError(f"no usable rows in {path}")
+    encoded = [ids for ids in make_encoder(tokenizer, context_length=None, max_new_tokens=0, truncate=None)(rows)
+               if not isinstance(ids, RowError)]
+    return [encoded[i % len(encoded)] for i in range(count)]
+
+
+def bench(*, target: str | None, draft: str | None, prompts: str, batch_sizes: list[int], gamma: int,
+          max_new_tokens: int, repeats: int, dtype: str, device: str) -> str:
+    """The markdown table of run_bench on a model pair (default: the embedded one)."""
+    if target is None:
+        target, draft = default_target(), draft or default_draft()
+    if draft is None:
+        raise UsageError("bench compares speculative decoding with the rest: give --draft with --target")
+    pair = load_pair(target, draft, dtype=dtype, device=device)
+    token_ids = load_prompts(prompts, pair.tokenizer, max(batch_sizes))
+    rows = run_bench(pair, token_ids, batch_sizes=batch_sizes, gamma=gamma, max_new_tokens=max_new_tokens,
+                     repeats=repeats)
+    where = f"{pair.target.device.type}, {str(pair.target.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads"
+    return (f"target {target}\ndraft  {draft}\n{where}; gamma {gamma}, max_new_tokens {max_new_tokens}, "
+            f"greedy, best of {repeats}\n\n{markdown_table(rows)}")

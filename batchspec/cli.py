@@ -45,8 +45,11 @@ def main():
 @main.command()
 @click.argument("input", type=click.Path(exists=True, dir_okay=False), envvar="BATCHSPEC_INPUT")
 @option("--out", required=True, type=click.Path(dir_okay=False), help="Output JSONL (errors, summary beside it).")
-@option("--target", required=True, help="Target model: Hub id, local folder or .gguf file.")
-@option("--draft", default=None, help="Draft model sharing the target's tokenizer (needed by --mode spec).")
+@option("--target", default=None,
+        help="Target model: Hub id, local folder or .gguf file. Default: the embedded SmolLM2-135M-Instruct.")
+@option("--draft", default=None,
+        help="Draft model sharing the target's tokenizer, for --mode spec. Default: the embedded draft, "
+        "when the target is the default.")
 @option("--mode", type=click.Choice(["spec", "ar"]), default="spec",
         help="spec: draft proposes, target verifies. ar: the target alone.")
 @option("--gamma", type=click.IntRange(1, 64), default=5, help="Draft tokens proposed per step.")
@@ -87,3 +90,31 @@ def run(input, debug, **options):
 
     config = RunConfig(input=input, **options)
     sys.exit(guarded(lambda: job.run(config), debug))
+
+
+@main.command()
+@option("--target", default=None, help="Target model. Default: the embedded SmolLM2-135M-Instruct.")
+@option("--draft", default=None, help="Draft model. Default: the embedded draft.")
+@option("--prompts", type=click.Path(exists=True, dir_okay=False), default="sample_data/prompts.jsonl",
+        help="JSONL rows to take prompts from (cycled to fill the largest batch).")
+@option("--batch-sizes", default="1,4,8", help="Comma-separated batch sizes.")
+@option("--gamma", type=click.IntRange(1, 64), default=5, help="Draft tokens proposed per step.")
+@option("--max-new-tokens", type=click.IntRange(1), default=64, help="Most tokens generated per row.")
+@option("--repeats", type=click.IntRange(1), default=3, help="Interleaved repeats; the best time counts.")
+@option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", help="Model dtype.")
+@option("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
+@option("--debug", is_flag=True, default=False, help="Show tracebacks.")
+def bench(debug, batch_sizes, **options):
+    """Greedy tokens/s of spec vs ar vs transformers' generate, side by side in one process."""
+    from batchspec.bench import bench as run_bench
+
+    try:
+        sizes = [int(size) for size in batch_sizes.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {batch_sizes!r}", param_hint="--batch-sizes")
+
+    def job():
+        click.echo(run_bench(batch_sizes=sizes, **options))
+        return 0
+
+    sys.exit(guarded(job, debug))

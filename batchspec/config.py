@@ -14,7 +14,7 @@ FINGERPRINT_FIELDS = (
 class RunConfig:
     input: str
     out: str
-    target: str
+    target: str | None = None  # None: the embedded default pair
     draft: str | None = None
     mode: str = "spec"  # "spec" or "ar"
     gamma: int = 5

@@ -4,6 +4,7 @@ import platform
 import signal
 import sys
 from collections import Counter
+from dataclasses import replace
 
 import orjson
 import torch
@@ -15,6 +16,7 @@ from batchspec.buckets import Batch, make_encoder, plan
 from batchspec.config import RunConfig
 from batchspec.decoding import DecodeConfig, resolve_sampling
 from batchspec.decoding.engine import BatchDecoder
+from batchspec.defaults import default_draft, default_target
 from batchspec.errors import UsageError
 from batchspec.models import context_length, load_config, load_pair, load_tokenizer
 from batchspec.sink import OutputPaths, Sink, check_fingerprint, locked, write_atomic
@@ -46,6 +48,14 @@ class StopSignals:
     def __exit__(self, *exc):
         for s, handler in self.previous.items():
             signal.signal(s, handler)
+
+
+def with_default_models(cfg: RunConfig) -> RunConfig:
+    """No --target: the embedded SmolLM2-135M-Instruct, with the embedded draft for --mode spec."""
+    if cfg.target is not None:
+        return cfg
+    wants_draft = cfg.mode == "spec" and cfg.draft is None and not cfg.dry_run
+    return replace(cfg, target=default_target(), draft=default_draft() if wants_draft else cfg.draft)
 
 
 def check_options(cfg: RunConfig) -> None:
@@ -91,6 +101,7 @@ def decode(pair, draft, batch: Batch, config: DecodeConfig, stop: StopSignals):
 
 
 def run(cfg: RunConfig) -> int:
+    cfg = with_default_models(cfg)
     check_options(cfg)
     if cfg.dry_run:
         return dry_run(cfg)

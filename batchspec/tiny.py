@@ -42,9 +42,9 @@ def sample_text(rng: random.Random, words: int) -> str:
     return text.capitalize() + rng.choice([".", "?", "!", ":", ","])
 
 
-def build_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
-    """A byte-level BPE trained in memory, with a ChatML chat template."""
-    rng = random.Random(0)
+def build_tokenizer(vocab_size: int = 512, seed: int = 0) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained in memory (on text drawn with `seed`), with a ChatML chat template."""
+    rng = random.Random(seed)
     corpus = [sample_text(rng, rng.randint(3, 30)) + f" {rng.randint(0, 9999)}" for _ in range(3000)]
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -1,11 +1,13 @@
 """Offline test session: tiny models built here, saved and loaded back the way users load theirs."""
 
 import os
+import tempfile
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ["BATCHSPEC_CACHE"] = tempfile.mkdtemp(prefix="batchspec-cache-")  # GGUF conversions: once a session
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -107,18 +107,21 @@ def fit_width(logits: torch.Tensor, vocab: int) -> torch.Tensor:
 
 def start_rows(prompts, row_ids, config: DecodeConfig, gamma: int, device) -> Rows:
     B, width = len(prompts), config.max_new_tokens + gamma + 1
-    if config.sampling.greedy:
-        uniforms = torch.zeros(B, width, 3, dtype=torch.float64)
+    if config.sampling.greedy:  # no randomness needed
+        uniforms = torch.empty(B, 0, 3, dtype=torch.float64)
     else:
         generators = [torch.Generator().manual_seed(row_seed(config.seed, r)) for r in row_ids]
         uniforms = torch.stack([torch.rand(width, 3, generator=g, dtype=torch.float64) for g in generators])
-    zeros = torch.zeros(B, dtype=torch.long, device=device)
+
+    def zeros():
+        return torch.zeros(B, dtype=torch.long, device=device)
+
     return Rows(
         index=torch.arange(B, device=device),
-        last=zeros,
-        pending=zeros,
-        has_pending=zeros,
-        produced=zeros,
+        last=zeros(),
+        pending=zeros(),
+        has_pending=zeros(),
+        produced=zeros(),
         out=torch.zeros(B, width, dtype=torch.long, device=device),
         uniforms=uniforms.to(device),
         counts=torch.zeros(B, 4, dtype=torch.long, device=device),
@@ -138,7 +141,7 @@ def propose(draft_kv: BatchKV, rows: Rows, gamma: int, params: SamplingParams, v
     if rows.any_pending:  # last step's fully accepted rows still owe the draft its last proposal
         ids = torch.stack([rows.pending, rows.last.clamp(max=draft_ids - 1)], dim=1)  # [B, 2]
         mask = torch.stack([rows.has_pending, rows.last.new_ones(rows.last.shape)], dim=1)
-    u = rows.uniform(DRAFT, gamma)  # [B, G]
+    u = None if params.greedy else rows.uniform(DRAFT, gamma)  # [B, G]
     tokens, qs = [], []
     for i in range(gamma):
         logits = fit_width(draft_kv.forward(ids, mask, logits_to_keep=1)[:, -1], vocab)  # [B, V]

@@ -1,0 +1,257 @@
+"""Make the embedded draft for SmolLM2-135M-Instruct: a small Llama distilled from the target's
+own greedy answers. Reproduces models/smollm2-135m-draft on a 2-core CPU in under an hour.
+
+    .venv/bin/python jobs/make_draft.py --work build/draft --out models/smollm2-135m-draft
+
+Steps: (1) write a broad set of prompts (questions, coding, extraction, writing, plain text)
+from templates; (2) complete them with the target through `batchspec run --mode ar` (bfloat16,
+resumable); (3) train the draft on prompt + completion with cross-entropy on the completion
+tokens (sequence-level distillation: greedy acceptance is exactly "the draft predicts the
+target's argmax"); its embeddings start as the target's, projected on their top principal
+directions; (4) save it in bfloat16 with the target's tokenizer.
+"""
+
+import argparse
+import json
+import math
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from batchspec.defaults import default_target
+from batchspec.models import load_pair
+
+TOPICS = """photosynthesis; black holes; the French Revolution; the Roman Empire; volcanoes; earthquakes;
+the immune system; vaccines; climate change; renewable energy; solar panels; wind turbines; electric cars;
+the internet; blockchain; machine learning; neural networks; databases; operating systems; compilers;
+the stock market; inflation; interest rates; budgeting; saving for retirement; credit scores; taxes;
+healthy eating; vitamins; exercise; sleep; stress; meditation; coffee; tea; bread baking; fermentation;
+gardening; composting; bees; ants; whales; dinosaurs; evolution; DNA; cells; the heart; the brain;
+memory; language learning; grammar; poetry; Shakespeare; the printing press; the Renaissance;
+World War I; the Cold War; the moon landing; Mars; the solar system; stars; gravity; magnetism;
+electricity; batteries; light; sound; music theory; the piano; jazz; photography; painting; chess;
+football; the Olympics; marathon training; mountains; rivers; deserts; rainforests; oceans; tides;
+weather; clouds; rainbows; snow; glaciers; recycling; plastic pollution; cities; public transport;
+bridges; airplanes; trains; ships; maps; GPS; time zones; calendars; clocks; money; banks; trade;
+supply and demand; entrepreneurship; job interviews; writing a resume; public speaking; negotiation;
+teamwork; leadership; project management; email etiquette; time management; procrastination;
+friendship; parenting; pets; dogs; cats; birds; fish; insects; mushrooms; trees; flowers; soil;
+the water cycle; the carbon cycle; nuclear power; chemistry; acids and bases; the periodic table;
+atoms; molecules; fractions; percentages; probability; statistics; geometry; algebra; calculus;
+prime numbers; encryption; passwords; viruses in computers; cloud computing; smartphones; robots""".replace("\n", " ")
+
+QUESTION_TEMPLATES = [
+    "What is {t}?", "Explain {t} to a ten-year-old.", "Why is {t} important?", "Give three facts about {t}.",
+    "What are common misconceptions about {t}?", "Summarize the history of {t} in a few sentences.",
+    "How does {t} work?", "Write a short paragraph about {t}.", "What are the pros and cons of {t}?",
+    "List five questions a student might ask about {t}.", "Compare {t} and {u}.",
+    "How are {t} and {u} related?", "Describe {t} in one sentence.", "What should a beginner know about {t}?",
+    "Write a haiku about {t}.", "Write a short story that involves {t}.", "Give me a fun fact about {t}.",
+    "What careers involve {t}?", "Create a quiz question about {t} with the answer.",
+    "Explain {t} step by step.",
+]
+CODE_TASKS = """reverse a string; check if a number is prime; compute the factorial of n; find the largest element
+in a list; count the vowels in a string; merge two sorted lists; remove duplicates from a list; compute
+the Fibonacci sequence; check if a string is an anagram of another; flatten a nested list; convert
+Celsius to Fahrenheit; find the most common word in a text; validate an email address; sort a list of
+dictionaries by a key; read a file and count its lines; compute the average of a list; implement binary
+search; implement a stack; parse a date string; compute the GCD of two numbers; capitalize each word of
+a sentence; check for balanced parentheses; compute the sum of digits of a number; generate a random
+password; transpose a matrix""".replace("\n", " ")
+LANGUAGES = ["Python", "JavaScript", "Java", "C", "Go", "Rust", "TypeScript", "Bash", "SQL", "C++"]
+CODE_TEMPLATES = [
+    "Write a {lang} function to {task}.", "How do I {task} in {lang}?", "Show a short {lang} example that can {task}.",
+    "Explain how to {task} in {lang}, with code.",
+]
+NAMES = ["Alice", "Bob", "Maria", "John", "Wei", "Fatima", "Carlos", "Yuki", "Olga", "Ahmed", "Priya", "Liam"]
+CITIES = ["Paris", "Tokyo", "Lagos", "Lima", "Berlin", "Toronto", "Mumbai", "Sydney", "Cairo", "Oslo"]
+MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October"]
+EXTRACT_TEMPLATES = [
+    "Extract the names of people from this text: {s}", "List the cities mentioned in: {s}",
+    "What dates appear in this sentence? {s}", "Turn this into JSON with keys name, city and date: {s}",
+    "Summarize in five words: {s}", "Who is the main person in this text, and where are they? {s}",
+]
+PLAIN_STARTS = [
+    "The most important thing to know about {t} is", "In this article, we explain {t}.",
+    "Chapter 1: {t}\n\n", "Q: What is {t}?\nA:", "Here are some notes on {t}:\n-", "{t} is",
+    "A brief introduction to {t}.", "def solve():\n    # {task}\n",
+]
+
+
+def sentence(rng: random.Random) -> str:
+    a, b = rng.sample(NAMES, 2)
+    return (f"{a} met {b} in {rng.choice(CITIES)} on {rng.choice(MONTHS)} {rng.randint(1, 28)}, "
+            f"{rng.randint(1990, 2025)}, and they later traveled to {rng.choice(CITIES)}.")
+
+
+def prompt_rows(count: int, seed: int, exclude: set[str]) -> list[dict]:
+    """`count` input rows: about 80% chat messages, 20% plain text to continue."""
+    rng = random.Random(seed)
+    topics = [t.strip() for t in TOPICS.split(";")]
+    tasks = [t.strip() for t in CODE_TASKS.split(";")]
+    rows = []
+    while len(rows) < count:
+        kind = rng.random()
+        t, u = rng.sample(topics, 2)
+        if kind < 0.45:
+            text = rng.choice(QUESTION_TEMPLATES).format(t=t, u=u)
+        elif kind < 0.65:
+            text = rng.choice(CODE_TEMPLATES).format(lang=rng.choice(LANGUAGES), task=rng.choice(tasks))
+        elif kind < 0.8:
+            text = rng.choice(EXTRACT_TEMPLATES).format(s=sentence(rng))
+        else:
+            text = rng.choice(PLAIN_STARTS).format(t=t, task=rng.choice(tasks))
+            rows.append({"id": f"p{len(rows)}", "prompt": text[0].upper() + text[1:]})
+            continue
+        if text not in exclude:
+            rows.append({"id": f"c{len(rows)}", "messages": [{"role": "user", "content": text}]})
+    return rows
+
+
+def sample_prompts(path: Path) -> set[str]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {m["content"] for r in rows for m in r.get("messages", [])} | {r["prompt"] for r in rows if "prompt" in r}
+
+
+def generate(rows_path: Path, out: Path, target: str, max_new_tokens: int) -> None:
+    """The target's greedy completions, through batchspec itself (resumable if interrupted)."""
+    command = [sys.executable, "-m", "batchspec", "run", str(rows_path), "--out", str(out), "--target", target,
+               "--mode", "ar", "--dtype", "bfloat16", "--batch-size", "32", "--max-new-tokens", str(max_new_tokens),
+               "--temperature", "0", "--token-ids"]
+    code = subprocess.call(command)
+    if code not in (0, 3):
+        raise SystemExit(f"generation failed with exit code {code}")
+
+
+def training_sequences(records_path: Path, tokenizer, max_prompt: int) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, completion ids) per record, prompts cut to their last max_prompt tokens."""
+    sequences = []
+    for line in records_path.read_text().splitlines():
+        r = json.loads(line)
+        if "messages" in r:
+            prompt = list(tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True, return_dict=False))
+        else:
+            prompt = tokenizer(r["prompt"])["input_ids"]
+        sequences.append((prompt[-max_prompt:], r["token_ids"]))
+    return sequences
+
+
+def draft_config(target_config, hidden: int, layers: int, heads: int, kv_heads: int, ff: int) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=target_config.vocab_size, hidden_size=hidden, intermediate_size=ff, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+        max_position_embeddings=target_config.max_position_embeddings, rms_norm_eps=target_config.rms_norm_eps,
+        rope_parameters=target_config.rope_parameters, tie_word_embeddings=True,
+        bos_token_id=target_config.bos_token_id, eos_token_id=target_config.eos_token_id,
+        pad_token_id=target_config.pad_token_id,
+    )
+
+
+def init_embeddings(draft, target) -> None:
+    """Start from the target's token embeddings projected on their top principal directions."""
+    embeddings = target.get_input_embeddings().weight.detach().float()  # [V, H_target]
+    hidden = draft.config.hidden_size
+    _, _, directions = torch.pca_lowrank(embeddings, q=hidden, center=False)  # [H_target, hidden]
+    projected = embeddings @ directions  # [V, hidden]
+    with torch.no_grad():
+        draft.get_input_embeddings().weight.copy_(projected / projected.std() * 0.5)
+
+
+def batches(sequences, tokens_per_batch: int, rng: random.Random):
+    """Length-sorted batches of about tokens_per_batch tokens, in random order."""
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i][0]) + len(sequences[i][1]))
+    groups, group, longest = [], [], 0
+    for i in order:
+        length = len(sequences[i][0]) + len(sequences[i][1])
+        if group and max(longest, length) * (len(group) + 1) > tokens_per_batch:
+            groups.append(group)
+            group, longest = [], 0
+        group.append(i)
+        longest = max(longest, length)
+    groups.append(group)
+    rng.shuffle(groups)
+    return groups
+
+
+def collate(sequences, group, pad_id: int):
+    """input_ids, attention_mask, labels: [B, T], right-padded; labels only on completions."""
+    width = max(len(sequences[i][0]) + len(sequences[i][1]) for i in group)
+    ids = torch.full((len(group), width), pad_id)
+    mask = torch.zeros(len(group), width, dtype=torch.long)
+    labels = torch.full((len(group), width), -100)
+    for b, i in enumerate(group):
+        prompt, completion = sequences[i]
+        n = len(prompt) + len(completion)
+        ids[b, :n] = torch.tensor(prompt + completion)
+        mask[b, :n] = 1
+        labels[b, len(prompt) : n] = torch.tensor(completion)
+    return ids, mask, labels
+
+
+def train(draft, sequences, *, minutes: float, lr: float, tokens_per_batch: int, seed: int, pad_id: int) -> None:
+    rng = random.Random(seed)
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
+    start, step, deadline = time.monotonic(), 0, time.monotonic() + minutes * 60
+    draft.train()
+    while time.monotonic() < deadline:
+        for group in batches(sequences, tokens_per_batch, rng):
+            elapsed = (time.monotonic() - start) / (minutes * 60)
+            if elapsed >= 1:
+                break
+            for g in optimizer.param_groups:  # linear warm-up, then cosine decay over the time budget
+                g["lr"] = lr * min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * elapsed))
+            ids, mask, labels = collate(sequences, group, pad_id)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = draft(input_ids=ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            if step % 50 == 0:
+                print(f"step {step} loss {loss.item():.3f} ({elapsed:.0%} of the time budget)", flush=True)
+    draft.eval()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", default="build/draft", help="working folder (prompts, target completions)")
+    parser.add_argument("--out", default="models/smollm2-135m-draft")
+    parser.add_argument("--prompts", type=int, default=3000)
+    parser.add_argument("--max-new-tokens", type=int, default=160)
+    parser.add_argument("--minutes", type=float, default=25, help="training time budget")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--hidden", type=int, default=192)
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.manual_seed(args.seed)
+    work, out = Path(args.work), Path(args.out)
+    work.mkdir(parents=True, exist_ok=True)
+    target_spec = default_target()
+    rows_path = work / "prompts.jsonl"
+    if not rows_path.exists():
+        exclude = sample_prompts(Path("sample_data/prompts.jsonl")) | sample_prompts(Path("sample_data/plain_prompts.jsonl"))
+        rows_path.write_text("".join(json.dumps(r) + "\n" for r in prompt_rows(args.prompts, args.seed, exclude)))
+    records = work / "target.jsonl"
+    generate(rows_path, records, target_spec, args.max_new_tokens)
+    pair = load_pair(target_spec, dtype="float32", device="cpu")
+    sequences = training_sequences(records, pair.tokenizer, max_prompt=192)
+    print(f"{len(sequences)} sequences, {sum(len(c) for _, c in sequences)} completion tokens", flush=True)
+    draft = LlamaForCausalLM(draft_config(pair.target.config, args.hidden, args.layers, heads=6, kv_heads=2, ff=512))
+    init_embeddings(draft, pair.target)
+    train(draft, sequences, minutes=args.minutes, lr=args.lr, tokens_per_batch=4096, seed=args.seed,
+          pad_id=pair.target.config.pad_token_id)
+    draft.generation_config = pair.target.generation_config
+    draft.to(torch.bfloat16).save_pretrained(out)
+    pair.tokenizer.save_pretrained(out)
+    print(f"saved {out} ({sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M parameters)")
+
+
+if __name__ == "__main__":
+    main()
