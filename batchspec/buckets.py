@@ -25,16 +25,22 @@ class Batch:
 Encode = Callable[[list[Row]], list[list[int] | RowError]]
 
 
+def sampling_key(row: Row) -> tuple[float, float]:
+    """Rows whose own temperature/top_p differ go to different batches (-1: the run's value)."""
+    return tuple(row.options.get(name, -1.0) for name in ("temperature", "top_p"))
+
+
 def cut(encoded: list[tuple[Row, list[int]]], batch_size: int, max_batch_tokens: int | None, max_new_tokens: int):
-    """Longest first (a batch that does not fit memory fails at once, not hours in), then fill
-    each batch up to batch_size rows and, with a budget, rows * (longest prompt + max_new_tokens)
-    <= max_batch_tokens (a batch always takes at least one row)."""
-    encoded = sorted(encoded, key=lambda pair: len(pair[1]), reverse=True)
+    """Per sampling key, longest first (a batch that does not fit memory fails at once, not
+    hours in), then fill each batch up to batch_size rows and, with a budget,
+    rows * (longest prompt + max_new_tokens) <= max_batch_tokens (at least one row a batch)."""
+    encoded = sorted(encoded, key=lambda pair: (sampling_key(pair[0]), -len(pair[1])))
     batch: list[tuple[Row, list[int]]] = []
     for row, ids in encoded:
         longest = len(batch[0][1]) if batch else len(ids)
         over_budget = max_batch_tokens is not None and (len(batch) + 1) * (longest + max_new_tokens) > max_batch_tokens
-        if batch and (len(batch) == batch_size or over_budget):
+        new_key = batch and sampling_key(batch[0][0]) != sampling_key(row)
+        if batch and (len(batch) == batch_size or over_budget or new_key):
             yield Batch([r for r, _ in batch], [i for _, i in batch])
             batch = []
         batch.append((row, ids))
@@ -82,9 +88,9 @@ def make_encoder(
     """Token ids per row. Chat rows (and, with `chat`, plain prompts as one user message) go
     through the tokenizer's chat template with the generation prompt; other prompts are raw
     text (with the tokenizer's own special tokens, e.g. a BOS). `system` adds a system message
-    to chats that have none. Then prompt tokens + max_new_tokens <= context_length, or the
-    prompt is cut on the `truncate` side ("left" keeps its end, "right" keeps its start)."""
-    limit = None if context_length is None else context_length - max_new_tokens
+    to chats that have none. Then prompt tokens + max_new_tokens (the row's own, else the
+    run's) <= context_length, or the prompt is cut on the `truncate` side ("left" keeps its
+    end, "right" keeps its start)."""
 
     def chat_ids(messages: list[dict]) -> list[int]:
         if system is not None and messages[0]["role"] != "system":
@@ -97,12 +103,14 @@ def make_encoder(
     def fit(row: Row, ids: list[int]) -> list[int] | RowError:
         if not ids:
             return RowError(row.line, row.id, "empty_prompt", "the prompt has no tokens")
+        new_tokens = row.options.get("max_new_tokens", max_new_tokens)
+        limit = None if context_length is None else context_length - new_tokens
         if limit is None or len(ids) <= limit:
             return ids
-        if truncate is not None:
+        if truncate is not None and limit > 0:
             return ids[len(ids) - limit :] if truncate == "left" else ids[:limit]
         message = (
-            f"prompt has {len(ids)} tokens; with max_new_tokens {max_new_tokens} it exceeds the "
+            f"prompt has {len(ids)} tokens; with max_new_tokens {new_tokens} it exceeds the "
             f"target's context of {context_length} (use --truncate left|right to cut it)"
         )
         return RowError(row.line, row.id, "too_long", message)

@@ -7,7 +7,7 @@ import click
 
 from batchspec import __version__
 from batchspec.config import RunConfig
-from batchspec.errors import UserError
+from batchspec.errors import EXIT_INTERRUPTED, UserError, first_line
 
 
 def option(name: str, **kwargs):
@@ -30,10 +30,9 @@ def guarded(job, debug: bool) -> int:
     except UserError as e:
         fail(f"error: {e}", e, debug, e.exit_code)
     except KeyboardInterrupt as e:
-        fail("interrupted; rerun the same command to resume", e, debug, 75)
+        fail("interrupted; rerun the same command to resume", e, debug, EXIT_INTERRUPTED)
     except Exception as e:  # noqa: BLE001 - the one place that turns crashes into a clean exit 1
-        first_line = (str(e).strip().splitlines() or [""])[0]
-        fail(f"error: {type(e).__name__}: {first_line} (--debug shows the traceback)", e, debug, 1)
+        fail(f"error: {type(e).__name__}: {first_line(e)} (--debug shows the traceback)", e, debug, 1)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -43,7 +42,7 @@ def main():
 
 
 @main.command()
-@click.argument("input", type=click.Path(exists=True, dir_okay=False), envvar="BATCHSPEC_INPUT")
+@click.argument("input", envvar="BATCHSPEC_INPUT")
 @option("--out", required=True, type=click.Path(dir_okay=False), help="Output JSONL (errors, summary beside it).")
 @option("--target", default=None,
         help="Target model: Hub id, local folder or .gguf file. Default: the embedded SmolLM2-135M-Instruct.")
@@ -67,6 +66,8 @@ def main():
 @option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
         help="auto: bfloat16 on a GPU that has it, float32 on CPU.")
 @option("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
+@option("--split", default="train", help="Dataset split, for dataset inputs.")
+@option("--subset", default=None, help="Dataset configuration (subset), for dataset inputs.")
 @option("--prompt-field", default="prompt", help="Input field holding the prompt text.")
 @option("--id-field", default="id", help="Input field holding the row id (else the line number).")
 @option("--messages-field", default="messages",
@@ -76,19 +77,27 @@ def main():
 @option("--truncate", type=click.Choice(["left", "right"]), default=None,
         help="Cut prompts too long for the context (left keeps the end) instead of an error record.")
 @option("--token-ids", is_flag=True, default=False, help="Add the generated token ids to each record.")
+@option("--output-format", type=click.Choice(["batchspec", "openai"]), default="batchspec",
+        help="Record schema: batchspec's own, or OpenAI-batch output lines (custom_id, response, error).")
+@option("--keep-fields", default="", help="Comma-separated input fields copied into each record.")
+@option("--keep-all-fields", is_flag=True, default=False, help="Copy every input field into each record.")
 @option("--overwrite", is_flag=True, default=False, help="Start OUT over instead of resuming it.")
 @option("--dry-run", is_flag=True, default=False, help="Check the input and show batches; load no weights.")
 @option("--progress/--no-progress", default=True, help="Progress bar on stderr.")
 @option("--debug", is_flag=True, default=False, help="Show tracebacks.")
 def run(input, debug, **options):
-    """Complete every prompt of INPUT (JSONL, or .jsonl.gz) into OUT, resuming OUT if it exists.
+    """Complete every prompt of INPUT into OUT, resuming OUT if it exists.
+
+    INPUT is a JSONL file (or .jsonl.gz), a local folder laid out like a Hugging Face dataset
+    repository, or hf:OWNER/NAME (streamed with datasets).
 
     Exit codes: 0 all rows done; 3 done, some rows in the error file; 75 interrupted (rerun to
     resume); 2 usage error; 1 any other failure.
     """
     from batchspec import job  # torch and transformers load only once the options are fine
 
-    config = RunConfig(input=input, **options)
+    keep = tuple(name.strip() for name in options.pop("keep_fields").split(",") if name.strip())
+    config = RunConfig(input=input, keep_fields=keep, **options)
     sys.exit(guarded(lambda: job.run(config), debug))
 
 

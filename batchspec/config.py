@@ -3,10 +3,13 @@
 import hashlib
 import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import orjson
 
 FINGERPRINT_FIELDS = (
     "target", "draft", "mode", "gamma", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "dtype",
-    "prompt_field", "id_field", "messages_field", "chat", "system", "truncate", "token_ids",
+    "split", "subset", "prompt_field", "id_field", "messages_field", "chat", "system", "truncate", "token_ids",
 )  # what changes the records; batch size, window and device only change the speed
 
 
@@ -28,6 +31,8 @@ class RunConfig:
     window: int = 1024
     dtype: str = "auto"
     device: str = "auto"
+    split: str = "train"  # for dataset inputs
+    subset: str | None = None
     prompt_field: str = "prompt"
     id_field: str = "id"
     messages_field: str = "messages"
@@ -35,6 +40,9 @@ class RunConfig:
     system: str | None = None  # system message for chats that have none
     truncate: str | None = None  # None, "left" or "right"
     token_ids: bool = False
+    output_format: str = "batchspec"  # or "openai" (OpenAI-batch output lines)
+    keep_fields: tuple[str, ...] = ()  # input fields copied into each record
+    keep_all_fields: bool = False
     overwrite: bool = False
     dry_run: bool = False
     progress: bool = True
@@ -45,12 +53,24 @@ class RunConfig:
     def fingerprint(self) -> dict:
         """What a resumed run must share with the run that started OUT."""
         options = self.options()
-        return {"options": {k: options[k] for k in FINGERPRINT_FIELDS}, "input": input_identity(self.input)}
+        fingerprint = {"options": {k: options[k] for k in FINGERPRINT_FIELDS}, "input": input_identity(self.input)}
+        return orjson.loads(orjson.dumps(fingerprint))  # as it reads back from JSON (tuples are lists)
 
 
-def input_identity(path: str, sample: int = 1 << 16) -> dict:
-    """Size and a hash of the first and last 64 KiB: cheap, changes when the data does, and
-    survives moving the file."""
+def input_identity(source: str) -> dict:
+    """What the input is: a Hub dataset's name; for a file its size and a hash of its first and
+    last 64 KiB (cheap, changes when the data does, survives moving it); for a dataset folder
+    the same for each of its files."""
+    if source.startswith("hf:"):
+        return {"dataset": source.removeprefix("hf:")}
+    if os.path.isdir(source):
+        root = Path(source)
+        files = sorted(p for p in root.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.parts))
+        return {"files": {str(p.relative_to(root)): file_identity(p) for p in files}}
+    return file_identity(source)
+
+
+def file_identity(path, sample: int = 1 << 16) -> dict:
     size = os.path.getsize(path)
     digest = hashlib.blake2b(digest_size=16)
     with open(path, "rb") as f:

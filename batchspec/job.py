@@ -3,6 +3,7 @@
 import platform
 import signal
 import sys
+import time
 from collections import Counter
 from dataclasses import replace
 
@@ -17,13 +18,14 @@ from batchspec.config import RunConfig
 from batchspec.decoding import DecodeConfig, resolve_sampling
 from batchspec.decoding.engine import BatchDecoder
 from batchspec.defaults import default_draft, default_target
-from batchspec.errors import UsageError
+from batchspec.errors import EXIT_INTERRUPTED, UsageError
 from batchspec.models import context_length, load_config, load_pair, load_tokenizer
+from batchspec.records import RecordMaker
 from batchspec.sink import OutputPaths, Sink, check_fingerprint, locked, write_atomic
-from batchspec.sources import Fields, RowError, count_lines, read_jsonl
+from batchspec.sources import Fields, RowError, count_lines, dataset_size, is_dataset, read_input
 from batchspec.stats import RunStats
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ROW_ERRORS, EXIT_INTERRUPTED = 0, 1, 2, 3, 75
+EXIT_OK, EXIT_ROW_ERRORS = 0, 3  # and errors.py: 1 other failures, 2 usage errors, 75 interrupted
 STOP_SIGNALS = tuple(s for s in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGUSR1", None)) if s)
 
 
@@ -69,7 +71,15 @@ def check_options(cfg: RunConfig) -> None:
 
 
 def iter_items(cfg: RunConfig):
-    return read_jsonl(cfg.input, Fields(prompt=cfg.prompt_field, id=cfg.id_field, messages=cfg.messages_field))
+    fields = Fields(prompt=cfg.prompt_field, id=cfg.id_field, messages=cfg.messages_field)
+    return read_input(cfg.input, fields, split=cfg.split, subset=cfg.subset)
+
+
+def input_size(cfg: RunConfig) -> int | None:
+    """Rows in the input, for the progress bar, when cheap to know."""
+    if is_dataset(cfg.input):
+        return dataset_size(cfg.input, cfg.split, cfg.subset)
+    return count_lines(cfg.input)
 
 
 def encoder(cfg: RunConfig, tokenizer, context: int | None):
@@ -77,27 +87,26 @@ def encoder(cfg: RunConfig, tokenizer, context: int | None):
                         chat=cfg.chat, system=cfg.system)
 
 
-def record(row, output, tokenizer, token_ids: bool) -> dict:
-    rec = {
-        "id": row.id,
-        **({"prompt": row.prompt} if row.messages is None else {"messages": row.messages}),
-        "completion": tokenizer.decode(output.token_ids, skip_special_tokens=True),
-        "finish_reason": output.finish_reason,
-        "stats": output.stats,
-    }
-    if token_ids:
-        rec["token_ids"] = output.token_ids
-    return rec
-
-
-def decode(pair, draft, batch: Batch, config: DecodeConfig, stop: StopSignals):
-    """One batch through the decoder; None when a stop signal came first."""
-    decoder = BatchDecoder(pair.target, draft, batch.prompts, [r.id for r in batch.rows], config)
+def decode(pair, batch: Batch, config: DecodeConfig, stop: StopSignals):
+    """One batch through the decoder, with its rows' own options (OpenAI-batch requests): their
+    temperature/top_p (shared within a batch), max_new_tokens and seed. None when a stop
+    signal came first."""
+    options = batch.rows[0].options
+    sampling = replace(config.sampling, **{k: options[k] for k in ("temperature", "top_p") if k in options})
+    limits = [r.options.get("max_new_tokens", config.max_new_tokens) for r in batch.rows]
+    seeds = [r.options.get("seed", config.seed) for r in batch.rows]
+    decoder = BatchDecoder(pair.target, pair.draft, batch.prompts, [r.id for r in batch.rows],
+                           replace(config, sampling=sampling), max_new_tokens=limits, seeds=seeds)
     while not decoder.done:
         if stop.received:
             return None
         decoder.step()
     return decoder.output()
+
+
+def record_maker(cfg: RunConfig, tokenizer) -> RecordMaker:
+    return RecordMaker(tokenizer, output_format=cfg.output_format, model=cfg.target, created=int(time.time()),
+                       token_ids=cfg.token_ids, keep=cfg.keep_fields, keep_all=cfg.keep_all_fields)
 
 
 def run(cfg: RunConfig) -> int:
@@ -111,7 +120,7 @@ def run(cfg: RunConfig) -> int:
             for path in paths.all():
                 path.unlink(missing_ok=True)
         check_fingerprint(paths, cfg.fingerprint())
-        sink = Sink(paths)
+        sink = Sink(paths, id_key="custom_id" if cfg.output_format == "openai" else "id")
         try:
             return run_locked(cfg, paths, sink, stop)
         finally:
@@ -122,13 +131,14 @@ def run_locked(cfg: RunConfig, paths: OutputPaths, sink: Sink, stop: StopSignals
     if sink.resumed_rows or sink.resumed_errors:
         say(f"resuming {paths.out}: {sink.resumed_rows} rows and {sink.resumed_errors} errors already written")
     pair = load_pair(cfg.target, cfg.draft if cfg.mode == "spec" else None, dtype=cfg.dtype, device=cfg.device)
+    make_record = record_maker(cfg, pair.tokenizer)
     sampling = resolve_sampling(pair.target.generation_config, temperature=cfg.temperature, top_k=cfg.top_k,
                                 top_p=cfg.top_p)
     config = DecodeConfig(max_new_tokens=cfg.max_new_tokens, eos_token_ids=pair.eos_token_ids, sampling=sampling,
                           gamma=cfg.gamma, seed=cfg.seed)
     encode = encoder(cfg, pair.tokenizer, pair.context_length)
     stats = RunStats()
-    bar = tqdm(total=count_lines(cfg.input), unit="row", file=sys.stderr, disable=not cfg.progress,
+    bar = tqdm(total=input_size(cfg), unit="row", file=sys.stderr, disable=not cfg.progress,
                mininterval=1 if sys.stderr.isatty() else 30, dynamic_ncols=True)
 
     def fresh(items):
@@ -148,11 +158,11 @@ def run_locked(cfg: RunConfig, paths: OutputPaths, sink: Sink, stop: StopSignals
             stats.rows_error += 1
             bar.update(1)
             continue
-        output = decode(pair, pair.draft, item, config, stop)
+        output = decode(pair, item, config, stop)
         if output is None:
             interrupted = True
             break
-        sink.write([record(r, o, pair.tokenizer, cfg.token_ids) for r, o in zip(item.rows, output.rows)])
+        sink.write([make_record(r, o) for r, o in zip(item.rows, output.rows)])
         stats.add_batch(item, output)
         bar.update(len(item.rows))
         bar.set_postfix(stats.postfix(), refresh=False)
@@ -209,7 +219,10 @@ def print_summary(summary: dict, paths: OutputPaths, interrupted: bool) -> None:
 def dry_run(cfg: RunConfig) -> int:
     """Check the input, count rows and errors and show the batches, loading no weights."""
     tokenizer = load_tokenizer(cfg.target)
-    encode = encoder(cfg, tokenizer, context_length(load_config(cfg.target)))
+    record_maker(cfg, tokenizer)  # refuses --keep-fields that clash with the output's own
+    specs = [cfg.target] + ([cfg.draft] if cfg.draft and cfg.mode == "spec" else [])
+    contexts = [n for n in (context_length(load_config(spec)) for spec in specs) if n is not None]
+    encode = encoder(cfg, tokenizer, min(contexts, default=None))
     errors, lengths, batch_sizes = Counter(), Counter(), Counter()
     rows = pads = slots = 0
     for item in plan(iter_items(cfg), encode, window=cfg.window, batch_size=cfg.batch_size,

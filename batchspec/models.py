@@ -14,7 +14,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from batchspec.errors import UsageError
+from batchspec.errors import UsageError, first_line
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -106,11 +106,6 @@ def load_model(spec: str, dtype: torch.dtype, device: torch.device):
     return model.to(device).eval()
 
 
-def first_line(error: Exception) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
 def check_same_tokenizer(target_tokenizer, draft_tokenizer) -> None:
     """Refuse a pair whose tokenizers map any id differently, naming the first such id."""
     target_tokens = {i: t for t, i in target_tokenizer.get_vocab().items()}
@@ -158,7 +153,9 @@ class ModelPair:
 
     @property
     def context_length(self) -> int | None:
-        return context_length(self.target.config)
+        """The longest sequence both models can take (a draft may have the shorter context)."""
+        lengths = [context_length(m.config) for m in (self.target, self.draft) if m is not None]
+        return min((n for n in lengths if n is not None), default=None)
 
 
 def load_pair(target: str, draft: str | None = None, *, dtype: str = "auto", device: str = "auto") -> ModelPair:

@@ -5,11 +5,13 @@ Every non-blank line becomes either a Row or a RowError; nothing here stops the 
 
 import gzip
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import orjson
 
+from batchspec.errors import UsageError, first_line
 from batchspec.idset import IdSet
 
 BOM = b"\xef\xbb\xbf"
@@ -17,11 +19,13 @@ BOM = b"\xef\xbb\xbf"
 
 @dataclass
 class Row:
-    id: str | int
+    id: str
     line: int  # 1-based line number in the input
     prompt: str | None  # raw text to complete, or None for a chat row
     fields: dict = field(repr=False)  # the whole input object
     messages: list[dict] | None = None  # [{role, content}, ...] for a chat row
+    options: dict = field(default_factory=dict)  # per-row max_new_tokens, temperature, top_p, seed
+    endpoint: str | None = None  # an OpenAI-batch request's url
 
 
 @dataclass(frozen=True)
@@ -36,7 +40,7 @@ class Fields:
 @dataclass
 class RowError:
     line: int
-    id: str | int | None
+    id: str | None
     type: str
     message: str
 
@@ -76,14 +80,15 @@ def json_type(value) -> str:
     return names.get(type(value), "number")
 
 
-def row_id(obj: dict, id_field: str, line: int):
-    """The row's id: its id field (a string or an integer), or its line number when absent."""
-    if id_field not in obj:
-        return line
-    value = obj[id_field]
+def row_id(obj: dict, id_field: str, line: int) -> str:
+    """The row's id: its id field (a string or an integer), or its line number when absent.
+    Always a string, so that one output file never mixes id types (5 and "5" are one id)."""
+    value = obj.get(id_field)
+    if value is None:
+        return str(line)
     if isinstance(value, bool) or not isinstance(value, (str, int)) or value == "":
         raise ValueError("invalid_id", f"{id_field!r} must be a non-empty string or an integer, got {json_type(value)}")
-    return value
+    return str(value)
 
 
 def check_messages(messages, name: str) -> str | None:
@@ -105,8 +110,65 @@ def parse_line(raw: bytes, line: int, fields: Fields) -> Row | RowError:
         obj = parse_json(text)
     except ValueError as e:
         return RowError(line, None, *e.args)
+    return parse_object(obj, line, fields)
+
+
+OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")
+
+
+def request_options(body: dict) -> dict:
+    """Per-row generation options of an OpenAI request body (ValueError when one is bad)."""
+    options = {}
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError("max_tokens must be a positive integer")
+        options["max_new_tokens"] = max_tokens
+    for name, low, high in (("temperature", 0.0, None), ("top_p", 0.0, 1.0)):
+        value = body.get(name)
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low or (high and value > high) \
+                    or (name == "top_p" and value == 0):
+                raise ValueError(f"{name} must be a number in {'(0, 1]' if high else '[0, inf)'}")
+            options[name] = float(value)
+    seed = body.get("seed")
+    if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError("seed must be an integer")
+        options["seed"] = seed
+    return options
+
+
+def parse_request(obj: dict, line: int) -> Row | RowError:
+    """An OpenAI-batch request line: custom_id, method, url and body."""
+    custom_id = obj.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        return RowError(line, None, "invalid_id", "'custom_id' must be a non-empty string")
+    url, method = obj.get("url", OPENAI_URLS[0]), obj.get("method", "POST")
+    if url not in OPENAI_URLS or method != "POST":
+        return RowError(line, custom_id, "invalid_request",
+                        f"unsupported request {method} {url}; batchspec serves POST {' and '.join(OPENAI_URLS)}")
+    body = obj["body"]
+    try:
+        options = request_options(body)
+    except ValueError as e:
+        return RowError(line, custom_id, "invalid_request", str(e))
+    if url == OPENAI_URLS[0]:
+        problem = check_messages(body.get("messages"), "body.messages")
+        if problem:
+            return RowError(line, custom_id, "invalid_messages", problem)
+        return Row(custom_id, line, None, obj, messages=body["messages"], options=options, endpoint=url)
+    if not isinstance(body.get("prompt"), str):
+        return RowError(line, custom_id, "invalid_prompt", "'body.prompt' must be a string")
+    return Row(custom_id, line, body["prompt"], obj, options=options, endpoint=url)
+
+
+def parse_object(obj, line: int, fields: Fields) -> Row | RowError:
+    """One input object (a JSONL line's value, a dataset example) -> Row or RowError."""
     if not isinstance(obj, dict):
         return RowError(line, None, "not_an_object", f"expected a JSON object, got {json_type(obj)}")
+    if "custom_id" in obj and isinstance(obj.get("body"), dict):
+        return parse_request(obj, line)
     try:
         rid = row_id(obj, fields.id, line)
     except ValueError as e:
@@ -125,20 +187,84 @@ def parse_line(raw: bytes, line: int, fields: Fields) -> Row | RowError:
     return Row(rid, line, prompt, obj)
 
 
-def read_jsonl(path: str, fields: Fields = Fields()) -> Iterator[Row | RowError]:
-    """Rows and errors in input order. Blank lines are skipped; a UTF-8 BOM and CRLF are fine."""
+def unique_ids(items: Iterator[Row | RowError]) -> Iterator[Row | RowError]:
+    """A later line reusing an id already seen becomes a duplicate_id error."""
     seen = IdSet()
+    for item in items:
+        if item.id is not None:
+            if item.id in seen:
+                item = RowError(item.line, item.id, "duplicate_id", f"id {item.id!r} appears on an earlier line")
+            else:
+                seen.add(item.id)
+        yield item
+
+
+def jsonl_items(path: str, fields: Fields) -> Iterator[Row | RowError]:
     with open_input(path) as f:
         for line, raw in enumerate(f, start=1):
             if line == 1 and raw.startswith(BOM):
                 raw = raw[len(BOM) :]
             raw = raw.rstrip(b"\r\n")
-            if not raw.strip():
-                continue
-            item = parse_line(raw, line, fields)
-            if item.id is not None:
-                if item.id in seen:
-                    item = RowError(line, item.id, "duplicate_id", f"id {item.id!r} appears on an earlier line")
-                else:
-                    seen.add(item.id)
-            yield item
+            if raw.strip():
+                yield parse_line(raw, line, fields)
+
+
+def read_jsonl(path: str, fields: Fields = Fields()) -> Iterator[Row | RowError]:
+    """Rows and errors in input order. Blank lines are skipped; a UTF-8 BOM and CRLF are fine."""
+    return unique_ids(jsonl_items(path, fields))
+
+
+HUB_PREFIX = "hf:"
+
+
+def is_dataset(source: str) -> bool:
+    """hf:OWNER/NAME, or a local folder laid out like a Hub dataset repository."""
+    return source.startswith(HUB_PREFIX) or os.path.isdir(source)
+
+
+def open_dataset(source: str, split: str, subset: str | None):
+    """A streaming datasets.IterableDataset; any failure (unknown dataset, offline, no such
+    split) is one clear UsageError."""
+    import datasets  # heavy: only for dataset inputs
+
+    name = source.removeprefix(HUB_PREFIX)
+    try:
+        return datasets.load_dataset(name, subset, split=split, streaming=True)
+    except Exception as e:  # noqa: BLE001 - datasets raises many kinds; all mean "cannot open"
+        raise UsageError(f"cannot open dataset {name!r} (split {split!r}{f', subset {subset!r}' if subset else ''}): "
+                         f"{first_line(e)}") from None
+
+
+def dataset_items(source: str, split: str, subset: str | None, fields: Fields) -> Iterator[Row | RowError]:
+    """Examples as rows, numbered from 1 like lines."""
+    dataset = open_dataset(source, split, subset)
+    columns = list(dataset.features or {})
+    if columns and fields.prompt not in columns and fields.messages not in columns:
+        raise UsageError(f"dataset {source!r} has no {fields.prompt!r} or {fields.messages!r} field (it has "
+                         f"{', '.join(columns)}); choose one with --prompt-field or --messages-field")
+    examples = iter(dataset)
+    line = 0
+    while True:
+        try:
+            example = next(examples)
+        except StopIteration:
+            return
+        except Exception as e:  # noqa: BLE001 - a failing download or a bad shard mid-stream
+            raise UsageError(f"reading dataset {source!r} failed after {line} rows: {first_line(e)}") from None
+        line += 1
+        yield parse_object(example, line, fields)
+
+
+def dataset_size(source: str, split: str, subset: str | None) -> int | None:
+    info = open_dataset(source, split, subset).info
+    split_info = (info.splits or {}).get(split) if info else None
+    return getattr(split_info, "num_examples", None) or None
+
+
+def read_input(source: str, fields: Fields, *, split: str = "train", subset: str | None = None):
+    """Rows and errors of a JSONL file or a dataset, ids checked for duplicates."""
+    if is_dataset(source):
+        return unique_ids(dataset_items(source, split, subset, fields))
+    if not os.path.isfile(source):
+        raise UsageError(f"input not found: {source} (a JSONL file, a dataset folder, or hf:OWNER/NAME)")
+    return unique_ids(jsonl_items(source, fields))

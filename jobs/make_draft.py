@@ -5,10 +5,11 @@ own greedy answers. Reproduces models/smollm2-135m-draft on a 2-core CPU in unde
 
 Steps: (1) write a broad set of prompts (questions, coding, extraction, writing, plain text)
 from templates; (2) complete them with the target through `batchspec run --mode ar` (bfloat16,
-resumable); (3) train the draft on prompt + completion with cross-entropy on the completion
-tokens (sequence-level distillation: greedy acceptance is exactly "the draft predicts the
-target's argmax"); its embeddings start as the target's, projected on their top principal
-directions; (4) save it in bfloat16 with the target's tokenizer.
+resumable); (3) record the target's top-32 log-probabilities at every completion position; (4) train the
+draft on prompt + completion with cross-entropy to those soft labels plus to the target's
+greedy token (greedy acceptance is exactly "the draft predicts the target's argmax"); its
+embeddings start as the target's, projected on their top principal directions; (5) save it
+in bfloat16 with the target's tokenizer, measure it and write its model card.
 """
 
 import argparse
@@ -23,6 +24,8 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from batchspec.bench import load_prompts
+from batchspec.decoding import DecodeConfig, decode_batch
 from batchspec.defaults import default_target
 from batchspec.models import load_pair
 
@@ -179,21 +182,51 @@ def batches(sequences, tokens_per_batch: int, rng: random.Random):
 
 
 def collate(sequences, group, pad_id: int):
-    """input_ids, attention_mask, labels: [B, T], right-padded; labels only on completions."""
+    """input_ids, attention_mask: [B, T], right-padded; where: (rows [N], positions [N]) of the
+    N positions whose next token is a completion token."""
     width = max(len(sequences[i][0]) + len(sequences[i][1]) for i in group)
     ids = torch.full((len(group), width), pad_id)
     mask = torch.zeros(len(group), width, dtype=torch.long)
-    labels = torch.full((len(group), width), -100)
+    rows, positions = [], []
     for b, i in enumerate(group):
         prompt, completion = sequences[i]
         n = len(prompt) + len(completion)
         ids[b, :n] = torch.tensor(prompt + completion)
         mask[b, :n] = 1
-        labels[b, len(prompt) : n] = torch.tensor(completion)
-    return ids, mask, labels
+        rows += [b] * len(completion)
+        positions += range(len(prompt) - 1, n - 1)
+    return ids, mask, (torch.tensor(rows), torch.tensor(positions))
 
 
-def train(draft, sequences, *, minutes: float, lr: float, tokens_per_batch: int, seed: int, pad_id: int) -> None:
+@torch.inference_mode()
+def teacher_top_k(target, sequences, k: int, tokens_per_batch: int, pad_id: int):
+    """The target's top-k log-probabilities at every completion position, per sequence:
+    (ids [C, k] int32, log-probs [C, k] float16). Soft labels carry far more than the argmax."""
+    labels = [None] * len(sequences)
+    for group in batches(sequences, tokens_per_batch, random.Random(0)):
+        ids, mask, where = collate(sequences, group, pad_id)
+        logits = target(input_ids=ids, attention_mask=mask).logits[where]  # [N, V]
+        top = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+        start = 0
+        for i in group:
+            count = len(sequences[i][1])
+            labels[i] = (top.indices[start : start + count].int(), top.values[start : start + count].half())
+            start += count
+    return labels
+
+
+def distillation_loss(draft, ids, mask, where, top_ids, top_logprobs, hard_labels):
+    """Cross-entropy to the target's top-k distribution (renormalized) plus to its greedy token,
+    computing the draft's head only at completion positions (it dominates the draft's cost)."""
+    hidden = draft.model(input_ids=ids, attention_mask=mask).last_hidden_state[where]  # [N, H]
+    logq = torch.log_softmax(draft.lm_head(hidden).float(), dim=-1)  # [N, V]
+    p = torch.softmax(top_logprobs.float(), dim=-1)  # [N, k]
+    soft = -(p * logq.gather(-1, top_ids.long())).sum(-1).mean()
+    hard = -logq.gather(-1, hard_labels[:, None]).mean()
+    return soft + hard
+
+
+def train(draft, sequences, teacher, *, minutes: float, lr: float, tokens_per_batch: int, seed: int, pad_id: int):
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
     start, step, deadline = time.monotonic(), 0, time.monotonic() + minutes * 60
@@ -205,9 +238,12 @@ def train(draft, sequences, *, minutes: float, lr: float, tokens_per_batch: int,
                 break
             for g in optimizer.param_groups:  # linear warm-up, then cosine decay over the time budget
                 g["lr"] = lr * min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * elapsed))
-            ids, mask, labels = collate(sequences, group, pad_id)
+            ids, mask, where = collate(sequences, group, pad_id)
+            top_ids = torch.cat([teacher[i][0] for i in group])
+            top_logprobs = torch.cat([teacher[i][1] for i in group])
+            hard = torch.tensor([t for i in group for t in sequences[i][1]])
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = draft(input_ids=ids, attention_mask=mask, labels=labels).loss
+                loss = distillation_loss(draft, ids, mask, where, top_ids, top_logprobs, hard)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
             optimizer.step()
@@ -216,6 +252,96 @@ def train(draft, sequences, *, minutes: float, lr: float, tokens_per_batch: int,
             if step % 50 == 0:
                 print(f"step {step} loss {loss.item():.3f} ({elapsed:.0%} of the time budget)", flush=True)
     draft.eval()
+
+
+def acceptance(pair, rows_path: Path, gamma: int = 5, max_new_tokens: int = 128) -> float:
+    """Greedy acceptance rate of the pair on a JSONL file's rows (float32, one batch of 8 at a time)."""
+    prompts = load_prompts(str(rows_path), pair.tokenizer, count=len(rows_path.read_text().splitlines()))
+    config = DecodeConfig(max_new_tokens=max_new_tokens, eos_token_ids=pair.eos_token_ids, gamma=gamma)
+    proposed = accepted = 0
+    for start in range(0, len(prompts), 8):
+        batch = prompts[start : start + 8]
+        for row in decode_batch(pair.target, pair.draft, batch, list(range(len(batch))), config).rows:
+            proposed += row.stats["draft_tokens"]
+            accepted += row.stats["accepted_tokens"]
+    return accepted / proposed
+
+
+@torch.inference_mode()
+def forward_ms(model, batch: int = 8, context: int = 128, repeats: int = 20) -> float:
+    """Milliseconds of one decode forward (one new token per row after `context` cached ones)."""
+    ids = torch.randint(100, 1000, (batch, context))
+    out = model(ids, use_cache=True)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        model(ids[:, :1], past_key_values=out.past_key_values, use_cache=True)
+        out.past_key_values.crop(-1)
+        best = min(best, time.perf_counter() - start)
+    return best * 1000
+
+
+def write_card(out: Path, target_spec: str, args, facts: dict) -> None:
+    size_mb = sum(f.stat().st_size for f in out.iterdir() if f.is_file()) / 1e6
+    card = f"""# smollm2-135m-draft
+
+A draft model for speculative decoding with **SmolLM2-135M-Instruct** (the target), made by
+`jobs/make_draft.py` in this repository. It shares the target's tokenizer (49152 ids, copied
+here) and is meant for `batchspec run` (the default pair), not for use on its own.
+
+| | |
+|---|---|
+| architecture | Llama, {args.layers} layers, hidden {args.hidden}, 6 heads (2 KV heads), MLP 512, tied embeddings |
+| parameters | {facts['parameters'] / 1e6:.1f}M, stored in bfloat16 |
+| size on disk | {size_mb:.1f} MB (weights and tokenizer) |
+| license | Apache-2.0, like the target it is distilled from |
+| greedy acceptance with the target, sample_data/prompts.jsonl (chat), gamma 5 | {facts['acceptance_chat']:.3f} |
+| greedy acceptance with the target, sample_data/plain_prompts.jsonl, gamma 5 | {facts['acceptance_plain']:.3f} |
+| one decode forward, batch 8, 128 cached tokens, float32, 2 CPU cores | draft {facts['draft_ms']:.1f} ms, target {facts['target_ms']:.1f} ms ({facts['draft_ms'] / facts['target_ms']:.2f} of a target forward) |
+
+## Training data
+
+{facts['sequences']} prompts written by `prompt_rows` in `jobs/make_draft.py` from templates
+(seed {args.seed}): questions about ~180 everyday and school topics, coding tasks in 10
+languages, extraction from synthetic sentences (names, cities, dates), and plain-text
+openings; about 80% are chat rows. None is one of the sample_data prompts. The target
+(`{Path(target_spec).name}`, bfloat16) completed them greedily with `batchspec run --mode ar`
+(at most {args.max_new_tokens} new tokens): {facts['completion_tokens']} completion tokens.
+
+## Training
+
+At every completion position, cross-entropy to the target's top-32 distribution (renormalized)
+plus cross-entropy to the target's greedy token (greedy acceptance is exactly "the draft
+predicts the target's argmax"). The token embeddings start as the target's, projected on their top {args.hidden} principal
+directions. AdamW (lr {args.lr}, warm-up then cosine decay), batches of about 4096 tokens,
+bfloat16 autocast, {args.minutes:g} minutes on 2 CPU cores.
+
+## Reproduce
+
+```bash
+.venv/bin/python jobs/make_draft.py --work build/draft --out {out}
+```
+
+Generation takes about 15 minutes and training {args.minutes:g} minutes on a 2-core CPU. The
+acceptance figures above are measured by the same script (`--evaluate-only` re-measures them).
+"""
+    (out / "README.md").write_text(card)
+
+
+def evaluate(out: Path, target_spec: str, args) -> None:
+    pair = load_pair(target_spec, str(out), dtype="float32", device="cpu")
+    records = (Path(args.work) / "target.jsonl").read_text().splitlines()
+    facts = {
+        "parameters": sum(p.numel() for p in pair.draft.parameters()),
+        "acceptance_chat": acceptance(pair, Path("sample_data/prompts.jsonl")),
+        "acceptance_plain": acceptance(pair, Path("sample_data/plain_prompts.jsonl")),
+        "draft_ms": forward_ms(pair.draft),
+        "target_ms": forward_ms(pair.target),
+        "sequences": len(records),
+        "completion_tokens": sum(len(json.loads(line)["token_ids"]) for line in records),
+    }
+    print(json.dumps(facts, indent=2))
+    write_card(out, target_spec, args, facts)
 
 
 def main():
@@ -229,28 +355,37 @@ def main():
     parser.add_argument("--hidden", type=int, default=192)
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--evaluate-only", action="store_true", help="re-measure the saved draft, rewrite its card")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
     work, out = Path(args.work), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
     target_spec = default_target()
+    if args.evaluate_only:
+        return evaluate(out, target_spec, args)
     rows_path = work / "prompts.jsonl"
     if not rows_path.exists():
         exclude = sample_prompts(Path("sample_data/prompts.jsonl")) | sample_prompts(Path("sample_data/plain_prompts.jsonl"))
         rows_path.write_text("".join(json.dumps(r) + "\n" for r in prompt_rows(args.prompts, args.seed, exclude)))
-    records = work / "target.jsonl"
-    generate(rows_path, records, target_spec, args.max_new_tokens)
-    pair = load_pair(target_spec, dtype="float32", device="cpu")
+    records, summary = work / "target.jsonl", work / "target.summary.json"
+    if not (summary.exists() and json.loads(summary.read_text())["finished"]):
+        generate(rows_path, records, target_spec, args.max_new_tokens)
+    pair = load_pair(target_spec, dtype="bfloat16", device="cpu")
     sequences = training_sequences(records, pair.tokenizer, max_prompt=192)
     print(f"{len(sequences)} sequences, {sum(len(c) for _, c in sequences)} completion tokens", flush=True)
+    pad_id = pair.target.config.pad_token_id
+    teacher_path = work / "teacher_top_k.pt"
+    if not teacher_path.exists():
+        torch.save(teacher_top_k(pair.target, sequences, k=32, tokens_per_batch=4096, pad_id=pad_id), teacher_path)
+    teacher = torch.load(teacher_path)
     draft = LlamaForCausalLM(draft_config(pair.target.config, args.hidden, args.layers, heads=6, kv_heads=2, ff=512))
     init_embeddings(draft, pair.target)
-    train(draft, sequences, minutes=args.minutes, lr=args.lr, tokens_per_batch=4096, seed=args.seed,
-          pad_id=pair.target.config.pad_token_id)
+    train(draft, sequences, teacher, minutes=args.minutes, lr=args.lr, tokens_per_batch=4096, seed=args.seed,
+          pad_id=pad_id)
     draft.generation_config = pair.target.generation_config
     draft.to(torch.bfloat16).save_pretrained(out)
     pair.tokenizer.save_pretrained(out)
-    print(f"saved {out} ({sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M parameters)")
+    evaluate(out, target_spec, args)
 
 
 if __name__ == "__main__":

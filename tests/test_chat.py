@@ -66,6 +66,7 @@ def test_chat_rows_through_the_cli_equal_target_generate(pair, tiny_pair, tmp_pa
         ids = torch.tensor([templated(pair.tokenizer, messages)])
         expected = pair.target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16,
                                         pad_token_id=0)[0, ids.shape[1] :].tolist()
-        assert records[k]["messages"] == messages and "prompt" not in records[k]
-        assert records[k]["token_ids"] == expected
-        assert records[k]["stats"]["prompt_tokens"] == ids.shape[1]  # the templated length
+        record = records[str(k)]
+        assert record["messages"] == messages and "prompt" not in record
+        assert record["token_ids"] == expected
+        assert record["stats"]["prompt_tokens"] == ids.shape[1]  # the templated length

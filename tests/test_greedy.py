@@ -171,3 +171,14 @@ def test_finished_rows_leave_the_batch(case):
     assert verify_sizes == sorted(verify_sizes, reverse=True) and verify_sizes[-1] < len(prompts)
     one_token_prompts = sum(len(p) == 1 for p in prompts)  # in the prefill forward, all pads, not counted
     assert sum(batch_sizes) == sum(r.stats["target_forwards"] for r in out.rows) + one_token_prompts
+
+
+def test_per_row_max_new_tokens(case):
+    """Rows of one batch may each have their own limit (OpenAI-batch max_tokens)."""
+    family, pair, prompts, expected = case
+    limits = [1 + (7 * k) % MAX_NEW for k in range(len(prompts))]
+    config = DecodeConfig(max_new_tokens=MAX_NEW, eos_token_ids=pair.eos_token_ids, gamma=4)
+    out = decode_batch(pair.target, pair.draft, prompts, list(range(len(prompts))), config, max_new_tokens=limits)
+    for row, full, limit in zip(out.rows, expected, limits):
+        assert row.token_ids == full[:limit]
+        assert row.finish_reason == ("stop" if full[len(row.token_ids) - 1] in pair.eos_token_ids else "length")

@@ -41,8 +41,8 @@ def test_each_bad_line_gets_one_typed_error(tmp_path, name):
             assert isinstance(item, Row)
         else:
             assert isinstance(item, RowError) and item.type == kind and item.message
-    assert items[-1].id == len(BAD_LINES)  # the 1-based line number
-    assert items[5].record() == {"id": 6, "line": 6, "error": {"type": "missing_prompt", "message": items[5].message}}
+    assert items[-1].id == str(len(BAD_LINES))  # the 1-based line number, as a string
+    assert items[5].record() == {"id": "6", "line": 6, "error": {"type": "missing_prompt", "message": items[5].message}}
 
 
 def test_bom_crlf_and_blank_lines(tmp_path):
@@ -52,9 +52,11 @@ def test_bom_crlf_and_blank_lines(tmp_path):
 
 
 def test_custom_fields_and_numeric_ids(tmp_path):
-    path = write(tmp_path, [b'{"qid": 10, "question": "q1"}', b'{"qid": "10", "question": "q2"}'])
+    path = write(tmp_path, [b'{"qid": 10, "question": "q1"}', b'{"qid": "10", "question": "q2"}', b'{"question": "q3"}'])
     items = list(read_jsonl(path, Fields(prompt="question", id="qid")))
-    assert [(i.id, i.prompt) for i in items] == [(10, "q1"), ("10", "q2")]  # 10 and "10" are distinct ids
+    assert (items[0].id, items[0].prompt) == ("10", "q1")  # ids are strings: one type per output file
+    assert items[1].type == "duplicate_id"  # so 10 and "10" are the same id
+    assert items[2].id == "3"
 
 
 def test_idset_holds_many_ids():

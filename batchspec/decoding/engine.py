@@ -68,7 +68,8 @@ class Rows:
     pending: torch.Tensor  # [B] the draft's last proposal, not yet in the draft cache
     has_pending: torch.Tensor  # [B] long 0/1: pending must go into the draft cache first
     produced: torch.Tensor  # [B] tokens generated so far
-    out: torch.Tensor  # [B, W] generated tokens (W = max_new_tokens + G + 1, tail is scratch)
+    limit: torch.Tensor  # [B] the row's max_new_tokens
+    out: torch.Tensor  # [B, W] generated tokens (W = max limit + G + 1, tail is scratch)
     uniforms: torch.Tensor  # [B, W, 3] per-row uniforms by output position and stream
     counts: torch.Tensor  # [B, 4] target_forwards, draft_forwards, verify_steps, accepted_tokens
     histogram: torch.Tensor  # [B, G+1] how often each accepted length occurred
@@ -105,12 +106,12 @@ def fit_width(logits: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.cat([logits, pad], dim=-1)
 
 
-def start_rows(prompts, row_ids, config: DecodeConfig, gamma: int, device) -> Rows:
-    B, width = len(prompts), config.max_new_tokens + gamma + 1
+def start_rows(row_ids, limits: list[int], seeds: list[int], config: DecodeConfig, gamma: int, device) -> Rows:
+    B, width = len(row_ids), max(limits) + gamma + 1
     if config.sampling.greedy:  # no randomness needed
         uniforms = torch.empty(B, 0, 3, dtype=torch.float64)
     else:
-        generators = [torch.Generator().manual_seed(row_seed(config.seed, r)) for r in row_ids]
+        generators = [torch.Generator().manual_seed(row_seed(seed, r)) for seed, r in zip(seeds, row_ids)]
         uniforms = torch.stack([torch.rand(width, 3, generator=g, dtype=torch.float64) for g in generators])
 
     def zeros():
@@ -122,6 +123,7 @@ def start_rows(prompts, row_ids, config: DecodeConfig, gamma: int, device) -> Ro
         pending=zeros(),
         has_pending=zeros(),
         produced=zeros(),
+        limit=torch.tensor(limits, dtype=torch.long, device=device),
         out=torch.zeros(B, width, dtype=torch.long, device=device),
         uniforms=uniforms.to(device),
         counts=torch.zeros(B, 4, dtype=torch.long, device=device),
@@ -167,8 +169,8 @@ def verify(target_kv: BatchKV, rows: Rows, draft_tokens, q, params: SamplingPara
     return accept_sampled(p, q, draft_tokens, rows.uniform(ACCEPT, gamma), rows.uniform(NEXT, gamma + 1))
 
 
-def emit(rows: Rows, draft_tokens, n, next_token, eos_ids, max_new_tokens: int):
-    """Append d_1..d_n, next_token to each row, cut at the first EOS id or at max_new_tokens.
+def emit(rows: Rows, draft_tokens, n, next_token, eos_ids):
+    """Append d_1..d_n, next_token to each row, cut at the first EOS id or at the row's limit.
 
     Returns finished [B] bool and stopped [B] bool (finished on an EOS id).
     """
@@ -177,13 +179,13 @@ def emit(rows: Rows, draft_tokens, n, next_token, eos_ids, max_new_tokens: int):
     new.scatter_(1, n[:, None], next_token[:, None])  # d_1..d_n, next_token, then scratch
     slot = torch.arange(gamma + 1, device=n.device)  # [G+1]
     count = n + 1  # [B]
-    remaining = max_new_tokens - rows.produced  # [B]
+    remaining = rows.limit - rows.produced  # [B]
     is_eos = torch.isin(new, eos_ids) & (slot[None, :] < torch.minimum(count, remaining)[:, None])
     stopped = is_eos.any(-1)
     count = torch.where(stopped, is_eos.int().argmax(-1) + 1, torch.minimum(count, remaining))
     rows.out.scatter_(1, rows.produced[:, None] + slot, new)
     rows.produced += count
-    return stopped | (rows.produced >= max_new_tokens), stopped
+    return stopped | (rows.produced >= rows.limit), stopped
 
 
 def row_outputs(rows: Rows, done: torch.Tensor, stopped: list[bool], prompt_tokens: list[int], gamma: int):
@@ -213,14 +215,21 @@ class BatchDecoder:
     """Decodes one static batch. target/draft: causal LMs on one device (draft None = autoregressive).
 
     prompts: token ids per row, lengths may differ (each >= 1); row_ids: one id per row, which
-    seeds its randomness. Greedy output equals `target.generate(do_sample=False)` on each row
-    alone; sampled output follows the target's own sampling distribution.
+    seeds its randomness with its seed (seeds, default: config.seed); max_new_tokens: a limit
+    per row (default: config.max_new_tokens).
+    Greedy output equals `target.generate(do_sample=False)` on each row alone; sampled output
+    follows the target's own sampling distribution.
     """
 
     @torch.inference_mode()
-    def __init__(self, target, draft, prompts: list[list[int]], row_ids: list, config: DecodeConfig):
-        if not prompts or len(prompts) != len(row_ids):
-            raise ValueError("need one row id per prompt and at least one prompt")
+    def __init__(self, target, draft, prompts: list[list[int]], row_ids: list, config: DecodeConfig,
+                 max_new_tokens: list[int] | None = None, seeds: list[int] | None = None):
+        limits = max_new_tokens or [config.max_new_tokens] * len(prompts)
+        seeds = seeds or [config.seed] * len(prompts)
+        if not prompts or not len(prompts) == len(row_ids) == len(limits) == len(seeds):
+            raise ValueError("need one row id (and limit and seed) per prompt and at least one prompt")
+        if min(limits) < 1:
+            raise ValueError("every row's max_new_tokens must be >= 1")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         self.config, self.prompts = config, prompts
@@ -230,7 +239,7 @@ class BatchDecoder:
         self.eos_ids = torch.tensor(config.eos_token_ids, dtype=torch.long, device=device)
         ids, mask = left_pad(prompts, device)  # [B, P]
         self.caches = [BatchKV(m, len(prompts), device) for m in (target, draft) if m is not None]
-        self.rows = start_rows(prompts, row_ids, config, self.gamma, device)
+        self.rows = start_rows(row_ids, limits, seeds, config, self.gamma, device)
         self.rows.last = ids[:, -1]  # the last prompt token is fed by the first step, like any newest token
         if ids.shape[1] > 1:
             for kv in self.caches:
@@ -259,7 +268,7 @@ class BatchDecoder:
         longest_row = (target_kv.mask.sum(-1) - (gamma - n)).max()  # valid slots after the rollback
         rows.counts += torch.stack([torch.ones_like(n), torch.full_like(n, gamma), torch.ones_like(n), n], dim=1)
         rows.histogram += torch.nn.functional.one_hot(n, gamma + 1)
-        finished, stopped = emit(rows, draft_tokens, n, next_token, self.eos_ids, self.config.max_new_tokens)
+        finished, stopped = emit(rows, draft_tokens, n, next_token, self.eos_ids)
         # the step's one host sync: what the rollback, the eviction and the compaction need
         B = n.shape[0]
         host = torch.cat([n, finished.long(), stopped.long(), torch.stack([empty_slots, longest_row])]).tolist()
@@ -314,6 +323,7 @@ class BatchDecoder:
         return BatchOutput(self.results, stats)
 
 
-def decode_batch(target, draft, prompts: list[list[int]], row_ids: list, config: DecodeConfig) -> BatchOutput:
+def decode_batch(target, draft, prompts: list[list[int]], row_ids: list, config: DecodeConfig,
+                 max_new_tokens: list[int] | None = None) -> BatchOutput:
     """Decode one static batch; see BatchDecoder."""
-    return BatchDecoder(target, draft, prompts, row_ids, config).run()
+    return BatchDecoder(target, draft, prompts, row_ids, config, max_new_tokens).run()

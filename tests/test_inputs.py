@@ -1,0 +1,187 @@
+"""Inputs people have: Hub-layout dataset folders, OpenAI-batch files; kept fields; output as a dataset."""
+
+import orjson
+import pytest
+import torch
+
+from batchspec.buckets import cut
+from batchspec.errors import UsageError
+from batchspec.models import load_pair
+from batchspec.sources import Fields, Row, read_input
+from test_job import ENV, run_cli
+
+README = """---
+configs:
+- config_name: default
+  data_files:
+  - split: train
+    path: data/train-*.parquet
+  - split: test
+    path: data/test-*.parquet
+- config_name: hard
+  data_files:
+  - split: train
+    path: hard/*.parquet
+---
+# a tiny dataset laid out like a Hub repository
+"""
+WORDS = "the cat sat on a mat and then went home to read a small book".split()
+
+
+def question(k: int) -> str:
+    return " ".join(WORDS[(k * 3 + j) % len(WORDS)] for j in range(2 + k % 7))
+
+
+@pytest.fixture(scope="module")
+def dataset_folder(tmp_path_factory):
+    """Two train shards, a test shard and a second config, written as parquet."""
+    from datasets import Dataset
+
+    root = tmp_path_factory.mktemp("hub") / "owner__name"
+    (root / "data").mkdir(parents=True)
+    (root / "hard").mkdir()
+    (root / "README.md").write_text(README)
+    for shard, ks in (("train-00000-of-00002", range(0, 12)), ("train-00001-of-00002", range(12, 25)),
+                      ("test-00000-of-00001", range(100, 104))):
+        Dataset.from_dict({"qid": [f"q{k}" for k in ks], "question": [question(k) for k in ks],
+                           "topic": [f"t{k % 3}" for k in ks]}).to_parquet(root / "data" / f"{shard}.parquet")
+    Dataset.from_dict({"qid": ["h1", "h2"], "question": ["the old book", "a small cat"],
+                       "topic": ["x", "y"]}).to_parquet(root / "hard" / "part.parquet")
+    return root
+
+
+@pytest.fixture(scope="module")
+def models(tiny_pair):
+    target, draft = tiny_pair("llama")
+    return ["--target", str(target), "--draft", str(draft), "--max-new-tokens", "12", "--no-progress",
+            "--token-ids"]
+
+
+def records(path) -> list[dict]:
+    return [orjson.loads(line) for line in path.read_bytes().splitlines()]
+
+
+def test_dataset_folder_streams_every_row_and_resumes(dataset_folder, models, tmp_path):
+    out = tmp_path / "out.jsonl"
+    args = [str(dataset_folder), "--split", "train", "--prompt-field", "question", "--id-field", "qid",
+            "--out", str(out), *models]
+    result = run_cli(*args)
+    assert result.returncode == 0, result.stderr
+    first = sorted(out.read_bytes().splitlines())
+    assert sorted(r["id"] for r in map(orjson.loads, first)) == sorted(f"q{k}" for k in range(25))
+    out.write_bytes(b"".join(line + b"\n" for line in first[:10]))  # as if killed after 10 rows
+    result = run_cli(*args)
+    assert result.returncode == 0, result.stderr
+    assert "resuming" in result.stderr and sorted(out.read_bytes().splitlines()) == first
+
+
+def test_dataset_split_and_subset(dataset_folder, models, tmp_path):
+    out = tmp_path / "test.jsonl"
+    base = [str(dataset_folder), "--prompt-field", "question", "--id-field", "qid", *models]
+    assert run_cli(*base, "--split", "test", "--out", str(out)).returncode == 0
+    assert {r["id"] for r in records(out)} == {"q100", "q101", "q102", "q103"}
+    out = tmp_path / "hard.jsonl"
+    assert run_cli(*base, "--subset", "hard", "--out", str(out)).returncode == 0
+    assert {r["id"] for r in records(out)} == {"h1", "h2"}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--split", "validation"], "cannot open dataset"),
+    (["--prompt-field", "nope"], "has no 'nope' or 'messages' field"),
+    (["--subset", "missing"], "cannot open dataset"),
+])
+def test_dataset_errors_are_one_line_and_exit_2(dataset_folder, models, tmp_path, args, message):
+    result = run_cli(str(dataset_folder), "--id-field", "qid", "--out", str(tmp_path / "o.jsonl"), *models, *args)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_hub_dataset_offline_is_a_clear_error(models, tmp_path):
+    env_result = run_cli("hf:someone/no-such-dataset", "--out", str(tmp_path / "o.jsonl"), *models)
+    assert env_result.returncode == 2
+    assert "cannot open dataset 'someone/no-such-dataset'" in env_result.stderr
+    assert "Traceback" not in env_result.stderr and ENV["HF_DATASETS_OFFLINE"] == "1"
+
+
+def request(custom_id, body, url="/v1/chat/completions"):
+    return orjson.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body}) + b"\n"
+
+
+def test_openai_batch_rows_with_per_row_options(tiny_pair, models, tmp_path):
+    chat = [{"role": "user", "content": "the cat sat on a mat"}]
+    source = tmp_path / "batch.jsonl"
+    source.write_bytes(
+        request("short", {"model": "m", "messages": chat, "max_tokens": 3})
+        + request("long", {"model": "m", "messages": chat, "max_tokens": 10})
+        + request("text", {"model": "m", "prompt": "the old house", "max_tokens": 5}, url="/v1/completions")
+        + request("hot", {"model": "m", "messages": chat, "temperature": 1.0, "seed": 7, "max_tokens": 10})
+        + request("bad", {"model": "m", "messages": chat, "max_tokens": -1})
+        + request("embed", {"model": "m", "input": "x"}, url="/v1/embeddings")
+    )
+    out = tmp_path / "out.jsonl"
+    result = run_cli(str(source), "--out", str(out), *models, "--output-format", "openai")
+    assert result.returncode == 3, result.stderr
+    by_id = {r["custom_id"]: r for r in records(out)}
+    assert set(by_id) == {"short", "long", "text", "hot"}
+    errors = {e["id"]: e["error"]["type"] for e in records(tmp_path / "out.errors.jsonl")}
+    assert errors == {"bad": "invalid_request", "embed": "invalid_request"}
+
+    pair = load_pair(models[1], dtype="float32", device="cpu")
+    ids = torch.tensor([list(pair.tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False))])
+    full = pair.target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=10,
+                                pad_token_id=0)[0, ids.shape[1] :].tolist()
+    for name, limit in (("short", 3), ("long", 10)):  # batch mates with different max_tokens
+        body = by_id[name]["response"]["body"]
+        assert body["batchspec"]["token_ids"] == full[:limit]
+        assert body["usage"]["completion_tokens"] == limit
+        assert body["choices"][0]["finish_reason"] == "length"
+    record = by_id["long"]
+    assert record["error"] is None and record["response"]["status_code"] == 200
+    assert record["id"].startswith("batch_req_") and record["response"]["body"]["object"] == "chat.completion"
+    assert record["response"]["body"]["choices"][0]["message"]["content"] == pair.tokenizer.decode(
+        full, skip_special_tokens=True)
+    assert by_id["text"]["response"]["body"]["object"] == "text_completion"
+    assert "text" in by_id["text"]["response"]["body"]["choices"][0]
+    hot = by_id["hot"]["response"]["body"]["batchspec"]["token_ids"]
+    assert hot != full  # sampled at the row's own temperature, not greedy
+    again = tmp_path / "again.jsonl"
+    assert run_cli(str(source), "--out", str(again), *models, "--output-format", "openai").returncode == 3
+    hot_again = {r["custom_id"]: r for r in records(again)}["hot"]["response"]["body"]["batchspec"]["token_ids"]
+    assert hot_again == hot  # the row's seed fixes its sample
+
+
+def test_rows_with_their_own_sampling_are_batched_apart():
+    def row(k, **options):
+        return Row(str(k), k, "p", {}, options=options), [1] * (10 - k)
+
+    batches = list(cut([row(0), row(1, temperature=0.7), row(2), row(3, temperature=0.7, top_p=0.9),
+                        row(4, max_new_tokens=3)], batch_size=8, max_batch_tokens=None, max_new_tokens=5))
+    assert sorted(sorted(r.id for r in b.rows) for b in batches) == [["0", "2", "4"], ["1"], ["3"]]
+
+
+def test_keep_fields_and_output_loads_as_a_dataset(models, tmp_path):
+    from datasets import load_dataset
+
+    source = tmp_path / "mixed.jsonl"
+    source.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in [
+        {"id": 7, "prompt": "the cat", "topic": "pets", "score": 1.5},
+        {"id": "b", "messages": [{"role": "user", "content": "a mat"}], "topic": "home"},
+        {"prompt": "then went home", "score": 2.0},
+    ]))
+    out = tmp_path / "out.jsonl"
+    result = run_cli(str(source), "--out", str(out), *models, "--keep-fields", "topic,score")
+    assert result.returncode == 0, result.stderr
+    rows = {r["id"]: r for r in records(out)}
+    assert set(rows) == {"7", "b", "3"}  # ids are strings: one type per file
+    assert rows["7"]["topic"] == "pets" and rows["b"]["score"] is None and rows["3"]["score"] == 2.0
+    dataset = load_dataset("json", data_files=str(out), split="train")
+    assert dataset.num_rows == 3 and {"id", "completion", "topic", "score", "stats"} <= set(dataset.column_names)
+    every = tmp_path / "every.jsonl"
+    assert run_cli(str(source), "--out", str(every), *models, "--keep-all-fields").returncode == 0
+    assert {r["id"]: r.get("topic") for r in records(every)} == {"7": "pets", "b": "home", "3": None}
+    clash = run_cli(str(source), "--out", str(tmp_path / "c.jsonl"), *models, "--keep-fields", "completion")
+    assert clash.returncode == 2 and "already an output field" in clash.stderr
+
+
+def test_read_input_refuses_a_missing_path(tmp_path):
+    with pytest.raises(UsageError, match="input not found"):
+        read_input(str(tmp_path / "nothing.jsonl"), Fields())
