@@ -43,7 +43,8 @@ def main():
 
 @main.command()
 @click.argument("input", envvar="BATCHSPEC_INPUT")
-@option("--out", required=True, type=click.Path(dir_okay=False), help="Output JSONL (errors, summary beside it).")
+@option("--out", required=True, type=click.Path(dir_okay=False),
+        help="Output JSONL (errors, summary beside it); may hold a {shard} placeholder.")
 @option("--target", default=None,
         help="Target model: Hub id, local folder or .gguf file. Default: the embedded SmolLM2-135M-Instruct.")
 @option("--draft", default=None,
@@ -81,6 +82,10 @@ def main():
         help="Record schema: batchspec's own, or OpenAI-batch output lines (custom_id, response, error).")
 @option("--keep-fields", default="", help="Comma-separated input fields copied into each record.")
 @option("--keep-all-fields", is_flag=True, default=False, help="Copy every input field into each record.")
+@option("--num-shards", type=click.IntRange(1), default=None,
+        help="Split the input into N shards by a stable hash of the row id. Default: SLURM array size, else 1.")
+@option("--shard-index", type=click.IntRange(0), default=None,
+        help="This run's shard, 0..N-1. Default: SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN.")
 @option("--overwrite", is_flag=True, default=False, help="Start OUT over instead of resuming it.")
 @option("--dry-run", is_flag=True, default=False, help="Check the input and show batches; load no weights.")
 @option("--progress/--no-progress", default=True, help="Progress bar on stderr.")

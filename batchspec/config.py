@@ -43,6 +43,8 @@ class RunConfig:
     output_format: str = "batchspec"  # or "openai" (OpenAI-batch output lines)
     keep_fields: tuple[str, ...] = ()  # input fields copied into each record
     keep_all_fields: bool = False
+    num_shards: int | None = None  # None: from a SLURM array, else 1
+    shard_index: int | None = None
     overwrite: bool = False
     dry_run: bool = False
     progress: bool = True

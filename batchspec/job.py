@@ -13,6 +13,7 @@ import transformers
 from tqdm import tqdm
 
 import batchspec
+from batchspec import shards
 from batchspec.buckets import Batch, make_encoder, plan
 from batchspec.config import RunConfig
 from batchspec.decoding import DecodeConfig, resolve_sampling
@@ -109,8 +110,20 @@ def record_maker(cfg: RunConfig, tokenizer) -> RecordMaker:
                        token_ids=cfg.token_ids, keep=cfg.keep_fields, keep_all=cfg.keep_all_fields)
 
 
+def with_shard(cfg: RunConfig) -> RunConfig:
+    num_shards, shard_index, out = shards.resolve(cfg.num_shards, cfg.shard_index, cfg.out)
+    return replace(cfg, num_shards=num_shards, shard_index=shard_index, out=out)
+
+
+def owned(cfg: RunConfig, items):
+    """Only this shard's rows and error lines."""
+    if cfg.num_shards == 1:
+        return items
+    return (i for i in items if shards.shard_of(shards.owner_key(i), cfg.num_shards) == cfg.shard_index)
+
+
 def run(cfg: RunConfig) -> int:
-    cfg = with_default_models(cfg)
+    cfg = with_shard(with_default_models(cfg))
     check_options(cfg)
     if cfg.dry_run:
         return dry_run(cfg)
@@ -150,7 +163,7 @@ def run_locked(cfg: RunConfig, paths: OutputPaths, sink: Sink, stop: StopSignals
                 yield item
 
     interrupted = False
-    batches = plan(fresh(iter_items(cfg)), encode, window=cfg.window, batch_size=cfg.batch_size,
+    batches = plan(fresh(owned(cfg, iter_items(cfg))), encode, window=cfg.window, batch_size=cfg.batch_size,
                    max_batch_tokens=cfg.max_batch_tokens, max_new_tokens=cfg.max_new_tokens)
     for item in batches:
         if isinstance(item, RowError):
@@ -225,7 +238,7 @@ def dry_run(cfg: RunConfig) -> int:
     encode = encoder(cfg, tokenizer, min(contexts, default=None))
     errors, lengths, batch_sizes = Counter(), Counter(), Counter()
     rows = pads = slots = 0
-    for item in plan(iter_items(cfg), encode, window=cfg.window, batch_size=cfg.batch_size,
+    for item in plan(owned(cfg, iter_items(cfg)), encode, window=cfg.window, batch_size=cfg.batch_size,
                      max_batch_tokens=cfg.max_batch_tokens, max_new_tokens=cfg.max_new_tokens):
         if isinstance(item, RowError):
             if sum(errors.values()) < 20:
