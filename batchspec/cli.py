@@ -1,7 +1,10 @@
 """Command line: parse options into one RunConfig and call the job. The only module using click."""
 
+import json
 import sys
+import tomllib
 import traceback
+from pathlib import Path
 
 import click
 
@@ -14,6 +17,42 @@ def option(name: str, **kwargs):
     """A --name option that can also come from BATCHSPEC_<NAME>, with its default shown in --help."""
     envvar = "BATCHSPEC_" + name.lstrip("-").split("/")[0].replace("-", "_").upper()
     return click.option(name, envvar=envvar, show_envvar=True, show_default=True, **kwargs)
+
+
+def load_config_file(ctx, param, path):
+    """--config FILE (TOML, keys named like the options, optionally under [run]) sets defaults:
+    the command line beats the environment, which beats the file, which beats the defaults."""
+    if path is None:
+        return None
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise click.BadParameter(f"cannot read {path}: {e}", ctx=ctx, param=param) from None
+    data = {k.replace("-", "_"): v for k, v in data.get("run", data).items()}
+    unknown = sorted(set(data) - {p.name for p in ctx.command.params} - {"config"})
+    if unknown:
+        raise click.BadParameter(f"{path} has unknown option(s): {', '.join(unknown)}", ctx=ctx, param=param)
+    if isinstance(data.get("keep_fields"), list):
+        data["keep_fields"] = ",".join(data["keep_fields"])
+    ctx.default_map = {**(ctx.default_map or {}), **data}
+    return path
+
+
+def as_toml(options: dict) -> str:
+    """The resolved options as a TOML file that --config reads back (unset ones commented)."""
+    lines = []
+    for key, value in options.items():
+        if value is None:
+            lines.append(f"# {key} = (unset)")
+        elif isinstance(value, bool):
+            lines.append(f"{key} = {str(value).lower()}")
+        elif isinstance(value, (list, tuple)):
+            lines.append(f"{key} = [{', '.join(json.dumps(v) for v in value)}]")
+        elif isinstance(value, str):
+            lines.append(f"{key} = {json.dumps(value)}")
+        else:
+            lines.append(f"{key} = {value}")
+    return "\n".join(lines)
 
 
 def fail(message: str, error: BaseException, debug: bool, code: int) -> None:
@@ -42,6 +81,9 @@ def main():
 
 
 @main.command()
+@click.option("--config", type=click.Path(exists=True, dir_okay=False), is_eager=True, expose_value=False,
+              callback=load_config_file, envvar="BATCHSPEC_CONFIG", show_envvar=True,
+              help="TOML file of options (CLI > environment > file > defaults).")
 @click.argument("input", envvar="BATCHSPEC_INPUT")
 @option("--out", required=True, type=click.Path(dir_okay=False),
         help="Output JSONL (errors, summary beside it); may hold a {shard} placeholder.")
@@ -89,8 +131,9 @@ def main():
 @option("--overwrite", is_flag=True, default=False, help="Start OUT over instead of resuming it.")
 @option("--dry-run", is_flag=True, default=False, help="Check the input and show batches; load no weights.")
 @option("--progress/--no-progress", default=True, help="Progress bar on stderr.")
+@option("--print-config", is_flag=True, default=False, help="Print the resolved options as TOML and exit.")
 @option("--debug", is_flag=True, default=False, help="Show tracebacks.")
-def run(input, debug, **options):
+def run(input, debug, print_config, **options):
     """Complete every prompt of INPUT into OUT, resuming OUT if it exists.
 
     INPUT is a JSONL file (or .jsonl.gz), a local folder laid out like a Hugging Face dataset
@@ -103,6 +146,9 @@ def run(input, debug, **options):
 
     keep = tuple(name.strip() for name in options.pop("keep_fields").split(",") if name.strip())
     config = RunConfig(input=input, keep_fields=keep, **options)
+    if print_config:
+        click.echo(as_toml(config.options()))
+        sys.exit(0)
     sys.exit(guarded(lambda: job.run(config), debug))
 
 
