@@ -178,3 +178,27 @@ def bench(debug, batch_sizes, **options):
         return 0
 
     sys.exit(guarded(job, debug))
+
+
+@main.command()
+@click.argument("shards")
+@option("--out", required=True, type=click.Path(dir_okay=False), help="The merged output JSONL.")
+@option("--allow-partial", is_flag=True, default=False, help="Merge even if a shard is missing or unfinished.")
+@option("--order-by-input", type=click.Path(exists=True), default=None,
+        help="Write records in the order of this input (the shards' INPUT).")
+@option("--debug", is_flag=True, default=False, help="Show tracebacks.")
+def merge(shards, out, allow_partial, order_by_input, debug):
+    """Combine the outputs of a sharded run into OUT (atomic: written aside, then renamed).
+
+    SHARDS is the --out template the shard runs used, e.g. 'out/part-{shard:05d}.jsonl'.
+    Exit codes: 0 merged; 3 a shard is missing or unfinished (see --allow-partial).
+    """
+    from batchspec.merge import merge as merge_shards
+
+    def job():
+        summary = merge_shards(shards, out, allow_partial=allow_partial, order_by_input=order_by_input)
+        click.echo(f"merged {len(summary['shards'])} shards into {out}: {summary['rows_ok']} rows, "
+                   f"{summary['rows_error']} errors", err=True)
+        return 0
+
+    sys.exit(guarded(job, debug))

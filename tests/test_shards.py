@@ -1,10 +1,15 @@
 """Shards: every row and every error line lands in exactly one shard; the union is one run."""
 
+import shutil
+import subprocess
+import sys
+
+import orjson
 import pytest
 
 from batchspec.errors import UsageError
 from batchspec.shards import resolve, shard_of
-from test_job import lines, run_cli, sidecar, write_input
+from test_job import ENV, lines, run_cli, sidecar, write_input
 
 
 def test_each_id_has_one_stable_shard():
@@ -27,19 +32,64 @@ def test_slurm_array_defaults_and_placeholder():
         resolve(3, 3, "p{shard}.jsonl", {})
 
 
-def test_three_shards_make_one_run(tiny_pair, tmp_path):
+@pytest.fixture(scope="module")
+def sharded(tiny_pair, tmp_path_factory):
+    """One input run whole and as 3 shards."""
+    root = tmp_path_factory.mktemp("shards")
     target, draft = tiny_pair("llama")
     models = ["--target", str(target), "--draft", str(draft), "--max-new-tokens", "8", "--no-progress"]
-    source = write_input(tmp_path / "in.jsonl", rows=40)
-    whole = tmp_path / "whole.jsonl"
+    source = write_input(root / "in.jsonl", rows=40)
+    whole = root / "whole.jsonl"
     assert run_cli(str(source), "--out", str(whole), *models).returncode == 3
-    parts = []
     for index in range(3):
-        result = run_cli(str(source), "--out", str(tmp_path / "part-{shard}.jsonl"), *models,
+        result = run_cli(str(source), "--out", str(root / "part-{shard}.jsonl"), *models,
                          "--num-shards", "3", "--shard-index", str(index))
         assert result.returncode in (0, 3), result.stderr
-        parts.append(tmp_path / f"part-{index}.jsonl")
+    return root, source, whole
+
+
+def test_three_shards_make_one_run(sharded):
+    root, _, whole = sharded
+    parts = [root / f"part-{index}.jsonl" for index in range(3)]
     assert all(lines(p) for p in parts)  # each shard got rows
     assert sorted(line for p in parts for line in lines(p)) == lines(whole)
     errors = sorted(line for p in parts for line in lines(sidecar(p, ".errors.jsonl")))
     assert errors == lines(sidecar(whole, ".errors.jsonl"))
+
+
+def merge(*args):
+    return subprocess.run([sys.executable, "-m", "batchspec", "merge", *args], env=ENV, capture_output=True, text=True)
+
+
+def test_merge_restores_one_output_in_input_order(sharded, tmp_path):
+    root, source, whole = sharded
+    merged = tmp_path / "merged.jsonl"
+    result = merge(str(root / "part-{shard}.jsonl"), "--out", str(merged), "--order-by-input", str(source))
+    assert result.returncode == 0, result.stderr
+    assert lines(merged) == lines(whole) and lines(sidecar(merged, ".errors.jsonl")) == lines(
+        sidecar(whole, ".errors.jsonl"))
+    ids = [orjson.loads(line)["id"] for line in merged.read_bytes().splitlines()]
+    order = [orjson.loads(line)["id"] for line in source.read_bytes().splitlines() if line.startswith(b'{"id":"row')]
+    assert ids == [i for i in order if i in set(ids)]  # input order, each id once
+    summary = orjson.loads(sidecar(merged, ".summary.json").read_bytes())
+    assert summary["finished"] and summary["rows_ok"] == len(ids) and 0 < summary["acceptance_rate"] < 1
+
+
+def test_merge_refuses_missing_or_unfinished_shards(sharded, tmp_path):
+    root, _, _ = sharded
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    for index in (0, 2):  # shard 1 missing
+        for suffix in (".jsonl", ".errors.jsonl", ".summary.json"):
+            shutil.copy(root / f"part-{index}{suffix}", partial / f"part-{index}{suffix}")
+    merged = tmp_path / "merged.jsonl"
+    result = merge(str(partial / "part-{shard}.jsonl"), "--out", str(merged))
+    assert result.returncode == 3 and "shard 1 is missing" in result.stderr and not merged.exists()
+    summary = partial / "part-2.summary.json"
+    summary.write_bytes(summary.read_bytes().replace(b'"finished": true', b'"finished": false'))
+    result = merge(str(partial / "part-{shard}.jsonl"), "--out", str(merged))
+    assert result.returncode == 3 and "part-2.jsonl is unfinished" in result.stderr
+    result = merge(str(partial / "part-{shard}.jsonl"), "--out", str(merged), "--allow-partial")
+    assert result.returncode == 0, result.stderr
+    assert lines(merged) == sorted(lines(partial / "part-0.jsonl") + lines(partial / "part-2.jsonl"))
+    assert orjson.loads(sidecar(merged, ".summary.json").read_bytes())["finished"] is False

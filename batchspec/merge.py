@@ -1,0 +1,98 @@
+"""`batchspec merge`: the shard outputs of one sharded run -> one OUT, error file and summary.
+
+Shards are found from the --out template the runs used (its {shard} placeholder globbed);
+their summaries say how many shards there are and whether each finished.
+"""
+
+import glob
+import re
+from pathlib import Path
+
+import orjson
+
+from batchspec.errors import UserError
+from batchspec.sink import OutputPaths, write_atomic
+from batchspec.sources import Fields, Row, read_input
+
+
+class IncompleteShards(UserError):
+    exit_code = 3
+
+
+def shard_outputs(template: str) -> list[OutputPaths]:
+    """The OUT files matching a {shard} template, in name order."""
+    if "{shard" not in template:
+        raise UserError(f"{template!r} has no {{shard}} placeholder: give the --out the shard runs used")
+    pattern = re.sub(r"\{shard[^}]*\}", "*", template)
+    return [OutputPaths.of(p) for p in sorted(glob.glob(pattern)) if not p.endswith((".errors.jsonl",))]
+
+
+def check_complete(shards: list[OutputPaths], allow_partial: bool) -> list[dict]:
+    """The shards' summaries; refuses missing or unfinished shards unless allow_partial."""
+    summaries = [orjson.loads(p.summary.read_bytes()) if p.summary.exists() else None for p in shards]
+    known = [s for s in summaries if s]
+    if not known:
+        raise IncompleteShards("no shard has a summary yet: nothing finished to merge")
+    total = known[0]["options"]["num_shards"]
+    present = {s["options"]["shard_index"] for s in known}
+    problems = [f"shard {i} is missing" for i in range(total) if i not in present]
+    problems += [f"{p.out} is unfinished" for p, s in zip(shards, summaries) if not (s and s["finished"])]
+    if problems and not allow_partial:
+        raise IncompleteShards("; ".join(problems) + " (rerun those shards, or merge anyway with --allow-partial)")
+    return known
+
+
+def unique_lines(paths: list[Path], key: str) -> list[tuple[object, bytes]]:
+    """(record[key], line) of every record, each key once."""
+    seen, out = set(), []
+    for path in paths:
+        if path.exists():
+            for line in path.read_bytes().splitlines():
+                value = orjson.loads(line)[key]
+                if value not in seen:
+                    seen.add(value)
+                    out.append((value, line))
+    return out
+
+
+def input_order(source: str, options: dict) -> dict[str, int]:
+    fields = Fields(prompt=options["prompt_field"], id=options["id_field"], messages=options["messages_field"])
+    items = read_input(source, fields, split=options["split"], subset=options["subset"])
+    return {item.id: item.line for item in items if isinstance(item, Row)}  # error lines hold no record
+
+
+def row_stats(record: dict) -> dict:
+    """A record's per-row statistics, in either output format."""
+    return record["stats"] if "stats" in record else record["response"]["body"]["batchspec"]
+
+
+def merge(template: str, out: str, *, allow_partial: bool = False, order_by_input: str | None = None) -> dict:
+    shards = shard_outputs(template)
+    summaries = check_complete(shards, allow_partial)
+    options = summaries[0]["options"]
+    id_key = "custom_id" if options["output_format"] == "openai" else "id"
+    records = unique_lines([p.out for p in shards], id_key)
+    errors = unique_lines([p.errors for p in shards], "line")
+    if order_by_input:
+        position = input_order(order_by_input, options)
+        records.sort(key=lambda pair: position.get(pair[0], float("inf")))
+    errors.sort(key=lambda pair: pair[0])
+    target = OutputPaths.of(out)
+    target.out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(target.out, b"".join(line + b"\n" for _, line in records))
+    write_atomic(target.errors, b"".join(line + b"\n" for _, line in errors))
+    totals = {"completion_tokens": 0, "draft_tokens": 0, "accepted_tokens": 0}
+    for _, line in records:
+        stats = row_stats(orjson.loads(line))
+        for k in totals:
+            totals[k] += stats[k]
+    summary = {
+        "finished": all(s["finished"] for s in summaries) and len(summaries) == options["num_shards"],
+        "shards": [str(p.out) for p in shards],
+        "rows_ok": len(records),
+        "rows_error": len(errors),
+        **totals,
+        "acceptance_rate": totals["accepted_tokens"] / totals["draft_tokens"] if totals["draft_tokens"] else None,
+    }
+    write_atomic(target.summary, orjson.dumps(summary, option=orjson.OPT_INDENT_2))
+    return summary
