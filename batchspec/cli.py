@@ -202,3 +202,18 @@ def merge(shards, out, allow_partial, order_by_input, debug):
         return 0
 
     sys.exit(guarded(job, debug))
+
+
+@main.command()
+@click.argument("out")
+@option("--debug", is_flag=True, default=False, help="Show tracebacks.")
+def status(out, debug):
+    """Rows done, errors, rows remaining, acceptance, tokens/s and state of OUT, or of every
+    shard of a sharded run ('out/part-{shard:05d}.jsonl'). Reads files only: safe while running."""
+    from batchspec.status import status as shard_states, table
+
+    def job():
+        click.echo(table(shard_states(out)))
+        return 0
+
+    sys.exit(guarded(job, debug))

@@ -3,6 +3,7 @@
 import copy
 import itertools
 import random
+import shutil
 from collections import Counter
 
 import pytest
@@ -44,10 +45,12 @@ def choose_eos(outputs: list[list[int]]) -> tuple[int, int]:
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def case(request, tiny_pair):
+def case(request, tiny_pair, tmp_path_factory):
     """A loaded pair whose generation_config lists two EOS ids that end some rows mid-completion."""
     family = request.param
-    target_path, draft_path = tiny_pair(family)
+    shared_target, draft_path = tiny_pair(family)
+    target_path = tmp_path_factory.mktemp("eos") / "target"  # a copy: its generation_config changes below
+    shutil.copytree(shared_target, target_path)
     pair = load_pair(str(target_path), str(draft_path), dtype="float32", device="cpu")
     prompts = random_prompts(len(pair.tokenizer), LENGTHS)
     unstopped = [reference(pair.target, p, [], min_new_tokens=MAX_NEW) for p in prompts]

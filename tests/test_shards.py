@@ -9,6 +9,7 @@ import pytest
 
 from batchspec.errors import UsageError
 from batchspec.shards import resolve, shard_of
+from batchspec.status import status
 from test_job import ENV, lines, run_cli, sidecar, write_input
 
 
@@ -93,3 +94,25 @@ def test_merge_refuses_missing_or_unfinished_shards(sharded, tmp_path):
     assert result.returncode == 0, result.stderr
     assert lines(merged) == sorted(lines(partial / "part-0.jsonl") + lines(partial / "part-2.jsonl"))
     assert orjson.loads(sidecar(merged, ".summary.json").read_bytes())["finished"] is False
+
+
+def test_status_reads_each_shard(sharded, tmp_path):
+    root, _, _ = sharded
+    for suffix in (".jsonl", ".errors.jsonl", ".summary.json", ".run.json"):
+        shutil.copy(root / f"part-1{suffix}", tmp_path / f"part-1{suffix}")
+    out = tmp_path / "part-1.jsonl"
+    kept = out.read_bytes().splitlines(keepends=True)
+    out.write_bytes(b"".join(kept[:5]) + kept[5][:10])  # 5 rows and a line being written
+    summary = tmp_path / "part-1.summary.json"
+    summary.write_bytes(summary.read_bytes().replace(b'"finished": true', b'"finished": false'))
+    (tmp_path / "part-1.lock").write_text("999999999")  # a pid that is not alive
+    states = status(str(tmp_path / "part-1.jsonl"))
+    assert len(states) == 1 and states[0]["state"] == "stopped"
+    assert states[0]["rows"] == 5 and states[0]["remaining"] == len(kept) - 5
+    every = status(str(root / "part-{shard}.jsonl"))
+    assert [s["state"] for s in every] == ["finished"] * 3 and all(s["remaining"] == 0 for s in every)
+    assert [s["rows"] for s in every] == [len(lines(root / f"part-{i}.jsonl")) for i in range(3)]
+    assert all(0 < s["acceptance"] < 1 and s["tok/s"] > 0 for s in every)
+    shown = subprocess.run([sys.executable, "-m", "batchspec", "status", str(root / "part-{shard}.jsonl")],
+                           env=ENV, capture_output=True, text=True)
+    assert shown.returncode == 0 and shown.stdout.count("finished") == 3

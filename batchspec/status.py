@@ -1,0 +1,88 @@
+"""`batchspec status`: where a run (or each shard of one) stands, read only from its files, so
+it is safe while the run goes on: it takes no lock and writes nothing. Rows remaining are
+counted from the input named in the summary a stopped run left (unknown before that)."""
+
+import os
+from pathlib import Path
+
+import orjson
+
+from batchspec.merge import row_stats, shard_outputs
+from batchspec.shards import owner_key, shard_of
+from batchspec.sink import OutputPaths
+from batchspec.sources import Fields, read_input
+
+HEADER = ["output", "rows", "errors", "remaining", "acceptance", "tok/s", "state"]
+
+
+def count_lines(path: Path) -> int:
+    """Complete lines only: a line being written right now is not counted yet."""
+    if not path.exists():
+        return 0
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.endswith(b"\n"))
+
+
+def running(paths: OutputPaths) -> bool:
+    """Whether the pid in the lock file is alive (the lock itself is left alone)."""
+    try:
+        os.kill(int(paths.lock.read_text().strip()), 0)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def shard_status(paths: OutputPaths) -> dict:
+    completion = proposed = accepted = 0
+    if paths.out.exists():
+        with open(paths.out, "rb") as f:
+            for line in f:
+                if line.endswith(b"\n"):
+                    stats = row_stats(orjson.loads(line))
+                    completion += stats["completion_tokens"]
+                    proposed += stats["draft_tokens"]
+                    accepted += stats["accepted_tokens"]
+    summary = orjson.loads(paths.summary.read_bytes()) if paths.summary.exists() else {}
+    finished = bool(summary.get("finished"))
+    # tokens/s over the output's life: from the first run's start (its fingerprint) to the last write
+    seconds = paths.out.stat().st_mtime - paths.fingerprint.stat().st_mtime if paths.fingerprint.exists() and \
+        paths.out.exists() else 0
+    state = "running" if running(paths) else "finished" if finished else "stopped" if summary else "not started"
+    rows, errors = count_lines(paths.out), count_lines(paths.errors)
+    total = None if finished or not summary else input_rows(summary["input"], summary["options"])
+    return {
+        "output": str(paths.out),
+        "rows": rows,
+        "errors": errors,
+        "remaining": 0 if finished else None if total is None else total - rows - errors,
+        "acceptance": accepted / proposed if proposed else None,
+        "tok/s": completion / seconds if seconds > 0 else None,
+        "state": state,
+    }
+
+
+def input_rows(source: str, options: dict) -> int | None:
+    """Non-blank lines (or examples) of the input that belong to this shard; None if it is gone."""
+    if not (os.path.exists(source) or source.startswith("hf:")):
+        return None
+    fields = Fields(prompt=options["prompt_field"], id=options["id_field"], messages=options["messages_field"])
+    items = read_input(source, fields, split=options["split"], subset=options["subset"])
+    return sum(1 for item in items
+               if shard_of(owner_key(item), options["num_shards"]) == options["shard_index"])
+
+
+def status(out_or_template: str) -> list[dict]:
+    shards = shard_outputs(out_or_template) if "{shard" in out_or_template else [OutputPaths.of(out_or_template)]
+    return [shard_status(p) for p in shards]
+
+
+def table(rows: list[dict]) -> str:
+    def cell(value) -> str:
+        if value is None:
+            return "?"
+        return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+    widths = [max(len(h), *(len(cell(r[h])) for r in rows)) for h in HEADER]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(HEADER, widths))]
+    lines += ["  ".join(cell(r[h]).ljust(w) for h, w in zip(HEADER, widths)) for r in rows]
+    return "\n".join(lines)
