@@ -24,7 +24,7 @@ def shard_outputs(template: str) -> list[OutputPaths]:
     if "{shard" not in template:
         raise UserError(f"{template!r} has no {{shard}} placeholder: give the --out the shard runs used")
     pattern = re.sub(r"\{shard[^}]*\}", "*", template)
-    return [OutputPaths.of(p) for p in sorted(glob.glob(pattern)) if not p.endswith((".errors.jsonl",))]
+    return [OutputPaths.of(p) for p in sorted(glob.glob(pattern)) if not p.endswith(".errors.jsonl")]
 
 
 def check_complete(shards: list[OutputPaths], allow_partial: bool) -> list[dict]:

@@ -15,12 +15,11 @@ from batchspec.sources import Fields, read_input
 HEADER = ["output", "rows", "errors", "remaining", "acceptance", "tok/s", "state"]
 
 
-def count_lines(path: Path) -> int:
-    """Complete lines only: a line being written right now is not counted yet."""
-    if not path.exists():
-        return 0
-    with open(path, "rb") as f:
-        return sum(1 for line in f if line.endswith(b"\n"))
+def complete_lines(path: Path):
+    """The file's complete lines: a line being written right now is left out."""
+    if path.exists():
+        with open(path, "rb") as f:
+            yield from (line for line in f if line.endswith(b"\n"))
 
 
 def running(paths: OutputPaths) -> bool:
@@ -33,22 +32,20 @@ def running(paths: OutputPaths) -> bool:
 
 
 def shard_status(paths: OutputPaths) -> dict:
-    completion = proposed = accepted = 0
-    if paths.out.exists():
-        with open(paths.out, "rb") as f:
-            for line in f:
-                if line.endswith(b"\n"):
-                    stats = row_stats(orjson.loads(line))
-                    completion += stats["completion_tokens"]
-                    proposed += stats["draft_tokens"]
-                    accepted += stats["accepted_tokens"]
+    rows = completion = proposed = accepted = 0
+    for line in complete_lines(paths.out):
+        stats = row_stats(orjson.loads(line))
+        rows += 1
+        completion += stats["completion_tokens"]
+        proposed += stats["draft_tokens"]
+        accepted += stats["accepted_tokens"]
     summary = orjson.loads(paths.summary.read_bytes()) if paths.summary.exists() else {}
     finished = bool(summary.get("finished"))
     # tokens/s over the output's life: from the first run's start (its fingerprint) to the last write
     seconds = paths.out.stat().st_mtime - paths.fingerprint.stat().st_mtime if paths.fingerprint.exists() and \
         paths.out.exists() else 0
     state = "running" if running(paths) else "finished" if finished else "stopped" if summary else "not started"
-    rows, errors = count_lines(paths.out), count_lines(paths.errors)
+    errors = sum(1 for _ in complete_lines(paths.errors))
     total = None if finished or not summary else input_rows(summary["input"], summary["options"])
     return {
         "output": str(paths.out),

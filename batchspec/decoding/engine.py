@@ -324,6 +324,6 @@ class BatchDecoder:
 
 
 def decode_batch(target, draft, prompts: list[list[int]], row_ids: list, config: DecodeConfig,
-                 max_new_tokens: list[int] | None = None) -> BatchOutput:
+                 max_new_tokens: list[int] | None = None, seeds: list[int] | None = None) -> BatchOutput:
     """Decode one static batch; see BatchDecoder."""
-    return BatchDecoder(target, draft, prompts, row_ids, config, max_new_tokens).run()
+    return BatchDecoder(target, draft, prompts, row_ids, config, max_new_tokens, seeds).run()
