@@ -1,6 +1,5 @@
 """Command line: parse options into one RunConfig and call the job. The only module using click."""
 
-import json
 import sys
 import tomllib
 import traceback
@@ -9,7 +8,7 @@ from pathlib import Path
 import click
 
 from batchspec import __version__
-from batchspec.config import RunConfig
+from batchspec.config import RunConfig, as_toml
 from batchspec.errors import EXIT_INTERRUPTED, UserError, first_line
 
 
@@ -36,23 +35,6 @@ def load_config_file(ctx, param, path):
         data["keep_fields"] = ",".join(data["keep_fields"])
     ctx.default_map = {**(ctx.default_map or {}), **data}
     return path
-
-
-def as_toml(options: dict) -> str:
-    """The resolved options as a TOML file that --config reads back (unset ones commented)."""
-    lines = []
-    for key, value in options.items():
-        if value is None:
-            lines.append(f"# {key} = (unset)")
-        elif isinstance(value, bool):
-            lines.append(f"{key} = {str(value).lower()}")
-        elif isinstance(value, (list, tuple)):
-            lines.append(f"{key} = [{', '.join(json.dumps(v) for v in value)}]")
-        elif isinstance(value, str):
-            lines.append(f"{key} = {json.dumps(value)}")
-        else:
-            lines.append(f"{key} = {value}")
-    return "\n".join(lines)
 
 
 def fail(message: str, error: BaseException, debug: bool, code: int) -> None:
@@ -109,6 +91,9 @@ def main():
 @option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
         help="auto: bfloat16 on a GPU that has it, float32 on CPU.")
 @option("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
+@option("--devices", default=None,
+        help="Comma-separated devices (cuda:0,cuda:1,...): one worker process each, a shard apiece, merged "
+        "into OUT at the end.")
 @option("--split", default="train", help="Dataset split, for dataset inputs.")
 @option("--subset", default=None, help="Dataset configuration (subset), for dataset inputs.")
 @option("--prompt-field", default="prompt", help="Input field holding the prompt text.")
@@ -142,13 +127,17 @@ def run(input, debug, print_config, **options):
     Exit codes: 0 all rows done; 3 done, some rows in the error file; 75 interrupted (rerun to
     resume); 2 usage error; 1 any other failure.
     """
-    from batchspec import job  # torch and transformers load only once the options are fine
-
     keep = tuple(name.strip() for name in options.pop("keep_fields").split(",") if name.strip())
     config = RunConfig(input=input, keep_fields=keep, **options)
     if print_config:
         click.echo(as_toml(config.options()))
         sys.exit(0)
+    if config.devices and not config.dry_run:
+        from batchspec.workers import run_on_devices  # the workers load the models; this process merges
+
+        sys.exit(guarded(lambda: run_on_devices(config), debug))
+    from batchspec import job  # torch and transformers load only once the options are fine
+
     sys.exit(guarded(lambda: job.run(config), debug))
 
 

@@ -1,6 +1,7 @@
 """One object holding every run option; the CLI fills it, the job reads it."""
 
 import hashlib
+import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ class RunConfig:
     window: int = 1024
     dtype: str = "auto"
     device: str = "auto"
+    devices: str | None = None  # "cuda:0,cuda:1": one worker process per device (workers.py)
     split: str = "train"  # for dataset inputs
     subset: str | None = None
     prompt_field: str = "prompt"
@@ -81,3 +83,20 @@ def file_identity(path, sample: int = 1 << 16) -> dict:
             f.seek(max(sample, size - sample))
             digest.update(f.read(sample))
     return {"size": size, "blake2b_head_tail": digest.hexdigest()}
+
+
+def as_toml(options: dict) -> str:
+    """The resolved options as a TOML file that --config reads back (unset ones commented)."""
+    lines = []
+    for key, value in options.items():
+        if value is None:
+            lines.append(f"# {key} = (unset)")
+        elif isinstance(value, bool):
+            lines.append(f"{key} = {str(value).lower()}")
+        elif isinstance(value, (list, tuple)):
+            lines.append(f"{key} = [{', '.join(json.dumps(v) for v in value)}]")
+        elif isinstance(value, str):
+            lines.append(f"{key} = {json.dumps(value)}")
+        else:
+            lines.append(f"{key} = {value}")
+    return "\n".join(lines)

@@ -1,6 +1,16 @@
-"""User errors: shown as one line, no traceback, each with its exit code."""
+"""What the user sees when things go wrong: exit codes, one-line errors without tracebacks,
+messages on stderr, and the signals that ask a run to stop."""
 
+import signal
+import sys
+
+EXIT_OK, EXIT_ROW_ERRORS = 0, 3  # all rows done; done, some rows in the error file
 EXIT_INTERRUPTED = 75  # a stop signal came: the run is resumable (EX_TEMPFAIL)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)  # SIGUSR1: SLURM's preemption notice
+
+
+def say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 class UserError(Exception):

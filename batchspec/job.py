@@ -2,7 +2,6 @@
 
 import platform
 import signal
-import sys
 import time
 from collections import Counter
 from dataclasses import replace
@@ -10,7 +9,6 @@ from dataclasses import replace
 import orjson
 import torch
 import transformers
-from tqdm import tqdm
 
 import batchspec
 from batchspec import shards
@@ -19,19 +17,12 @@ from batchspec.config import RunConfig
 from batchspec.decoding import DecodeConfig, resolve_sampling
 from batchspec.decoding.engine import BatchDecoder
 from batchspec.defaults import default_draft, default_target
-from batchspec.errors import EXIT_INTERRUPTED, UsageError
+from batchspec.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_ROW_ERRORS, STOP_SIGNALS, UsageError, say
 from batchspec.models import context_length, load_config, load_pair, load_tokenizer
 from batchspec.records import RecordMaker
 from batchspec.sink import OutputPaths, Sink, check_fingerprint, locked, write_atomic
-from batchspec.sources import Fields, RowError, count_lines, dataset_size, is_dataset, read_input
-from batchspec.stats import RunStats
-
-EXIT_OK, EXIT_ROW_ERRORS = 0, 3  # and errors.py: 1 other failures, 2 usage errors, 75 interrupted
-STOP_SIGNALS = tuple(s for s in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGUSR1", None)) if s)
-
-
-def say(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+from batchspec.sources import Fields, RowError, input_size, read_input
+from batchspec.stats import RunStats, progress_bar
 
 
 class StopSignals:
@@ -74,13 +65,6 @@ def check_options(cfg: RunConfig) -> None:
 def iter_items(cfg: RunConfig):
     fields = Fields(prompt=cfg.prompt_field, id=cfg.id_field, messages=cfg.messages_field)
     return read_input(cfg.input, fields, split=cfg.split, subset=cfg.subset)
-
-
-def input_size(cfg: RunConfig) -> int | None:
-    """Rows in the input, for the progress bar, when cheap to know."""
-    if is_dataset(cfg.input):
-        return dataset_size(cfg.input, cfg.split, cfg.subset)
-    return count_lines(cfg.input)
 
 
 def encoder(cfg: RunConfig, tokenizer, context: int | None):
@@ -151,8 +135,7 @@ def run_locked(cfg: RunConfig, paths: OutputPaths, sink: Sink, stop: StopSignals
                           gamma=cfg.gamma, seed=cfg.seed)
     encode = encoder(cfg, pair.tokenizer, pair.context_length)
     stats = RunStats()
-    bar = tqdm(total=input_size(cfg), unit="row", file=sys.stderr, disable=not cfg.progress,
-               mininterval=1 if sys.stderr.isatty() else 30, dynamic_ncols=True)
+    bar = progress_bar(input_size(cfg.input, cfg.split, cfg.subset), cfg.progress)
 
     def fresh(items):
         for item in items:

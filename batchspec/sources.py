@@ -261,6 +261,11 @@ def dataset_size(source: str, split: str, subset: str | None) -> int | None:
     return getattr(split_info, "num_examples", None) or None
 
 
+def input_size(source: str, split: str, subset: str | None) -> int | None:
+    """Rows in the input, for progress bars, when cheap to know."""
+    return dataset_size(source, split, subset) if is_dataset(source) else count_lines(source)
+
+
 def read_input(source: str, fields: Fields, *, split: str = "train", subset: str | None = None):
     """Rows and errors of a JSONL file or a dataset, ids checked for duplicates."""
     if is_dataset(source):

@@ -1,7 +1,16 @@
 """Run-level statistics: added up batch by batch, shown on the progress bar and in the summary."""
 
+import sys
 import time
 from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+
+def progress_bar(total: int | None, enabled: bool) -> tqdm:
+    """Rows done, on stderr: refreshed every second on a terminal, every 30 s in a log file."""
+    return tqdm(total=total, unit="row", file=sys.stderr, disable=not enabled, dynamic_ncols=True,
+                mininterval=1 if sys.stderr.isatty() else 30)
 
 
 @dataclass

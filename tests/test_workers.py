@@ -1,0 +1,76 @@
+"""`batchspec run --devices`: one worker process per device, merged at the end; proven with two
+CPU workers against the single-process run of the same input."""
+
+import os
+import signal
+import subprocess
+
+import orjson
+import pytest
+
+from test_job import ENV, assert_same_as_reference, cli, run_cli, setup, sidecar, wait_for_records  # noqa: F401
+
+
+def devices_run(setup, out) -> list[str]:
+    return cli(str(setup["input"]), "--out", str(out), *setup["models"], "--devices", "cpu,cpu")
+
+
+def shard_summaries(out, shards=(0, 1)) -> list[dict]:
+    folder = out.with_suffix(".shards")
+    return [orjson.loads((folder / f"part-{i}.summary.json").read_bytes()) for i in shards]
+
+
+def test_two_cpu_workers_make_one_run(setup, tmp_path):
+    out = tmp_path / "out.jsonl"
+    result = subprocess.run(devices_run(setup, out), env=ENV, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 3, result.stderr
+    assert_same_as_reference(out, setup)
+    summaries = shard_summaries(out)
+    assert [(s["options"]["num_shards"], s["options"]["shard_index"]) for s in summaries] == [(2, 0), (2, 1)]
+    assert all(s["finished"] and s["rows_ok"] > 0 and s["models"]["device"] == "cpu" for s in summaries)
+    pids = {(out.with_suffix(".shards") / f"part-{i}.lock").read_text() for i in range(2)}
+    assert len(pids) == 2  # two worker processes
+    merged = orjson.loads(sidecar(out, ".summary.json").read_bytes())
+    assert merged["finished"] and merged["rows_ok"] == sum(s["rows_ok"] for s in summaries)
+    assert "merged from 2 workers" in result.stderr
+
+
+def test_a_dead_worker_is_reported_and_its_shard_resumes(setup, tmp_path):
+    out = tmp_path / "out.jsonl"
+    parent = subprocess.Popen(devices_run(setup, out), env=ENV, stderr=subprocess.PIPE, text=True)
+    part = out.with_suffix(".shards") / "part-1.jsonl"
+    wait_for_records(part, 2, parent)
+    os.kill(int(sidecar(part, ".lock").read_text()), signal.SIGKILL)
+    _, stderr = parent.communicate(timeout=300)
+    assert parent.returncode == 1, stderr
+    assert "worker 1 (cpu, shard 1 of 2) was killed by SIGKILL" in stderr
+    assert "rerun the same command" in stderr and "Traceback" not in stderr
+    assert not out.exists()  # nothing merged
+    assert shard_summaries(out, [0])[0]["finished"]  # the other worker went on to the end
+    result = subprocess.run(devices_run(setup, out), env=ENV, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 3, result.stderr
+    assert_same_as_reference(out, setup)
+
+
+def test_a_stop_signal_reaches_every_worker(setup, tmp_path):
+    out = tmp_path / "out.jsonl"
+    parent = subprocess.Popen(devices_run(setup, out), env=ENV, stderr=subprocess.PIPE, text=True)
+    wait_for_records(out.with_suffix(".shards") / "part-0.jsonl", 2, parent)
+    parent.send_signal(signal.SIGUSR1)
+    _, stderr = parent.communicate(timeout=300)
+    assert parent.returncode == 75, stderr
+    assert [s["exit_code"] for s in shard_summaries(out)] == [75, 75]
+    assert not out.exists()
+    result = subprocess.run(devices_run(setup, out), env=ENV, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 3, result.stderr
+    assert_same_as_reference(out, setup)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--num-shards", "2", "--shard-index", "0"], "cannot be combined"),
+    (["--out", "part-{shard}.jsonl"], "drop its {shard} placeholder"),
+    (["--devices", "cpu,,cpu"], "comma-separated list"),
+])
+def test_devices_usage_errors(setup, tmp_path, args, message):
+    result = run_cli(str(setup["input"]), "--out", str(tmp_path / "out.jsonl"), "--devices", "cpu,cpu", *args)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
