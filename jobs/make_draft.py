@@ -13,11 +13,14 @@ in bfloat16 with the target's tokenizer, measure it and write its model card.
 """
 
 import argparse
+import ast
 import json
 import math
 import random
 import subprocess
 import sys
+import sysconfig
+import textwrap
 import time
 from pathlib import Path
 
@@ -92,9 +95,8 @@ def sentence(rng: random.Random) -> str:
             f"{rng.randint(1990, 2025)}, and they later traveled to {rng.choice(CITIES)}.")
 
 
-def prompt_rows(count: int, seed: int, exclude: set[str]) -> list[dict]:
-    """`count` input rows: about 80% chat messages, 20% plain text to continue."""
-    rng = random.Random(seed)
+def template_rows(count: int, rng: random.Random, exclude: set[str]) -> list[dict]:
+    """`count` rows from the templates: about 80% chat messages, 20% plain text to continue."""
     topics = [t.strip() for t in TOPICS.split(";")]
     tasks = [t.strip() for t in CODE_TASKS.split(";")]
     rows = []
@@ -109,11 +111,90 @@ def prompt_rows(count: int, seed: int, exclude: set[str]) -> list[dict]:
             text = rng.choice(EXTRACT_TEMPLATES).format(s=sentence(rng))
         else:
             text = rng.choice(PLAIN_STARTS).format(t=t, task=rng.choice(tasks))
-            rows.append({"id": f"p{len(rows)}", "prompt": text[0].upper() + text[1:]})
+            rows.append({"prompt": text[0].upper() + text[1:]})
             continue
         if text not in exclude:
-            rows.append({"id": f"c{len(rows)}", "messages": [{"role": "user", "content": text}]})
+            rows.append(chat_row(text))
     return rows
+
+
+def chat_row(text: str) -> dict:
+    return {"messages": [{"role": "user", "content": text}]}
+
+
+TEXT_TASKS = [
+    "Summarize this text in two sentences:\n\n{x}", "Explain this to a beginner:\n\n{x}",
+    "What are the key terms in this text?\n\n{x}", "Rewrite this in simpler words:\n\n{x}",
+    "Write three questions about this text:\n\n{x}", "Give an example that illustrates this:\n\n{x}",
+]
+CODE_READING_TASKS = [
+    "Explain what this code does:\n\n{x}", "Add comments to this code:\n\n{x}",
+    "Is there a bug in this code?\n\n{x}", "Write a test for this function:\n\n{x}",
+    "Explain what this does: {x}",
+]
+QUESTION_ASKS = [
+    "Write one question a curious person might ask about {t}. Reply with the question only.",
+    "Ask a practical question about {t}. Reply with the question only.",
+    "Write a homework question about {t}. Reply with the question only.",
+    "Write a request a user might send to an AI assistant about {t}. Reply with the request only.",
+]
+
+
+def stdlib_texts() -> tuple[list[str], list[str]]:
+    """Docstring paragraphs and short functions from the Python standard library's own source
+    files (parsed, never imported): real, varied prose and code to ask about."""
+    paragraphs, functions = [], []
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+        if {"test", "idlelib", "site-packages"} & set(path.parts):
+            continue
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and (doc := ast.get_docstring(node)):
+                paragraphs += [" ".join(p.split()) for p in doc.split("\n\n") if 150 <= len(p) <= 600]
+            if isinstance(node, ast.FunctionDef) and 4 <= node.end_lineno - node.lineno <= 20:
+                functions.append(textwrap.dedent(" " * node.col_offset + ast.get_source_segment(source, node)))
+    return paragraphs, [f for f in functions if len(f) <= 900]
+
+
+def text_rows(count: int, rng: random.Random) -> list[dict]:
+    """`count` chat rows asking about standard-library prose (60%) and code (40%), and plain
+    continuations of its prose."""
+    paragraphs, functions = stdlib_texts()
+    rows = []
+    while len(rows) < count:
+        kind = rng.random()
+        if kind < 0.5:
+            rows.append(chat_row(rng.choice(TEXT_TASKS).format(x=rng.choice(paragraphs))))
+        elif kind < 0.9:
+            rows.append(chat_row(rng.choice(CODE_READING_TASKS).format(x=rng.choice(functions))))
+        else:
+            words = rng.choice(paragraphs).split()
+            rows.append({"prompt": " ".join(words[: rng.randint(8, 30)])})
+    return rows
+
+
+def question_asks(count: int, rng: random.Random) -> list[dict]:
+    """Rows that ask the target to write a question itself (answered in a second pass)."""
+    topics = [t.strip() for t in TOPICS.split(";")]
+    return [chat_row(rng.choice(QUESTION_ASKS).format(t=rng.choice(topics))) for _ in range(count)]
+
+
+def written_questions(records_path: Path, exclude: set[str]) -> list[dict]:
+    """The target's own questions (first line of each sampled completion) as chat rows."""
+    rows = []
+    for line in records_path.read_text().splitlines():
+        text = json.loads(line)["completion"].strip().split("\n")[0].strip().strip('"')
+        if 15 <= len(text) <= 300 and text not in exclude:
+            rows.append(chat_row(text))
+    return rows
+
+
+def with_ids(rows: list[dict]) -> str:
+    return "".join(json.dumps({"id": f"r{i}", **row}) + "\n" for i, row in enumerate(rows))
 
 
 def sample_prompts(path: Path) -> set[str]:
@@ -121,11 +202,15 @@ def sample_prompts(path: Path) -> set[str]:
     return {m["content"] for r in rows for m in r.get("messages", [])} | {r["prompt"] for r in rows if "prompt" in r}
 
 
-def generate(rows_path: Path, out: Path, target: str, max_new_tokens: int) -> None:
-    """The target's greedy completions, through batchspec itself (resumable if interrupted)."""
+def generate(rows_path: Path, out: Path, target: str, max_new_tokens: int, temperature: float = 0.0) -> None:
+    """The target's completions, through batchspec itself (resumable if interrupted); skipped
+    when a finished run is already there."""
+    summary = out.with_suffix(".summary.json")
+    if summary.exists() and json.loads(summary.read_text())["finished"]:
+        return
     command = [sys.executable, "-m", "batchspec", "run", str(rows_path), "--out", str(out), "--target", target,
                "--mode", "ar", "--dtype", "bfloat16", "--batch-size", "32", "--max-new-tokens", str(max_new_tokens),
-               "--temperature", "0", "--token-ids"]
+               "--temperature", str(temperature), "--seed", "0", "--token-ids"]
     code = subprocess.call(command)
     if code not in (0, 3):
         raise SystemExit(f"generation failed with exit code {code}")
@@ -355,13 +440,32 @@ def evaluate(out: Path, target_spec: str, args) -> None:
     write_card(out, target_spec, args, facts)
 
 
+def write_prompts(work: Path, target_spec: str, args) -> Path:
+    """The prompt set, a third each: questions the target writes itself (sampled at
+    temperature 0.9), requests about standard-library prose and code, and template rows.
+    None is one of the sample_data prompts the draft is measured on."""
+    rows_path = work / "prompts.jsonl"
+    if rows_path.exists():
+        return rows_path
+    rng = random.Random(args.seed)
+    exclude = sample_prompts(Path("sample_data/prompts.jsonl")) | sample_prompts(Path("sample_data/plain_prompts.jsonl"))
+    asks = work / "asks.jsonl"
+    asks.write_text(with_ids(question_asks(args.prompts // 3, rng)))
+    generate(asks, work / "questions.jsonl", target_spec, max_new_tokens=48, temperature=0.9)
+    rows = written_questions(work / "questions.jsonl", exclude) + text_rows(args.prompts // 3, rng)
+    rows += template_rows(args.prompts - len(rows), rng, exclude)
+    rng.shuffle(rows)
+    rows_path.write_text(with_ids(rows))
+    return rows_path
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", default="build/draft", help="working folder (prompts, target completions)")
     parser.add_argument("--out", default="models/smollm2-135m-draft")
-    parser.add_argument("--prompts", type=int, default=3000)
-    parser.add_argument("--max-new-tokens", type=int, default=160)
-    parser.add_argument("--minutes", type=float, default=20, help="training time budget")
+    parser.add_argument("--prompts", type=int, default=5000)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--minutes", type=float, default=25, help="training time budget")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--hidden", type=int, default=192)
     parser.add_argument("--layers", type=int, default=3)
@@ -374,13 +478,8 @@ def main():
     target_spec = default_target()
     if args.evaluate_only:
         return evaluate(out, target_spec, args)
-    rows_path = work / "prompts.jsonl"
-    if not rows_path.exists():
-        exclude = sample_prompts(Path("sample_data/prompts.jsonl")) | sample_prompts(Path("sample_data/plain_prompts.jsonl"))
-        rows_path.write_text("".join(json.dumps(r) + "\n" for r in prompt_rows(args.prompts, args.seed, exclude)))
-    records, summary = work / "target.jsonl", work / "target.summary.json"
-    if not (summary.exists() and json.loads(summary.read_text())["finished"]):
-        generate(rows_path, records, target_spec, args.max_new_tokens)
+    records = work / "target.jsonl"
+    generate(write_prompts(work, target_spec, args), records, target_spec, args.max_new_tokens)
     pair = load_pair(target_spec, dtype="bfloat16", device="cpu")
     sequences = training_sequences(records, pair.tokenizer, max_prompt=192)
     print(f"{len(sequences)} sequences, {sum(len(c) for _, c in sequences)} completion tokens", flush=True)
