@@ -11,7 +11,8 @@ import orjson
 FINGERPRINT_FIELDS = (
     "target", "draft", "mode", "gamma", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "dtype",
     "split", "subset", "prompt_field", "id_field", "messages_field", "chat", "system", "truncate", "token_ids",
-)  # what changes the records; batch size, window and device only change the speed
+    "output_format", "keep_fields", "keep_all_fields", "num_shards", "shard_index",
+)  # what changes the records (or which rows a shard holds); batch size, window and device only change the speed
 
 
 @dataclass(frozen=True)

@@ -40,9 +40,6 @@ def check_devices_options(cfg: RunConfig) -> None:
                          "or a SLURM array (give each array task one device instead)")
     if "{shard" in cfg.out:
         raise UsageError("with --devices, --out is the merged output: drop its {shard} placeholder")
-    if OutputPaths.of(cfg.out).fingerprint.exists():
-        raise UsageError(f"{cfg.out} was started by a run without --devices; resume it the same way, "
-                         "or pass --overwrite to start over")
 
 
 class Worker:
@@ -103,12 +100,16 @@ def run_on_devices(cfg: RunConfig) -> int:
     check_devices_options(cfg)
     folder = shard_folder(cfg.out)
     template = str(folder / "part-{shard}.jsonl")
-    with locked(OutputPaths.of(cfg.out)):
+    paths = OutputPaths.of(cfg.out)
+    with locked(paths):
         folder.mkdir(parents=True, exist_ok=True)
         if cfg.overwrite:
-            for index in range(len(devices)):
-                for path in OutputPaths.of(template.format(shard=index)).all():
+            for shard in [paths] + [OutputPaths.of(template.format(shard=i)) for i in range(len(devices))]:
+                for path in shard.all():
                     path.unlink(missing_ok=True)
+        elif paths.fingerprint.exists():
+            raise UsageError(f"{cfg.out} was started by a run without --devices; resume it the same way, "
+                             "or pass --overwrite to start over")
         config_file = folder / "run.toml"
         shared = replace(cfg, out=template, num_shards=len(devices), devices=None, device="auto", overwrite=False,
                          progress=False)

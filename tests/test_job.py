@@ -190,6 +190,9 @@ def test_changed_options_refuse_to_resume_unless_overwrite(setup, tmp_path):
     changed = [*setup["models"], "--max-new-tokens", "5"]
     result = run_cli(str(small), "--out", str(out), *changed)
     assert result.returncode == 2 and "max_new_tokens" in result.stderr and "--overwrite" in result.stderr
+    for other in (["--output-format", "openai"], ["--keep-fields", "prompt"]):  # records of another shape
+        result = run_cli(str(small), "--out", str(out), *setup["models"], *other)
+        assert result.returncode == 2 and "--overwrite" in result.stderr
     result = run_cli(str(small), "--out", str(out), *changed, "--overwrite")
     assert result.returncode == 3
     assert all(len(orjson.loads(line)["token_ids"]) <= 5 for line in out.read_bytes().splitlines())

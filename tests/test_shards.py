@@ -58,6 +58,14 @@ def test_three_shards_make_one_run(sharded):
     assert errors == lines(sidecar(whole, ".errors.jsonl"))
 
 
+def test_another_shard_count_refuses_to_resume(sharded, tiny_pair):
+    root, source, _ = sharded
+    target, draft = tiny_pair("llama")
+    result = run_cli(str(source), "--out", str(root / "part-{shard}.jsonl"), "--target", str(target), "--draft",
+                     str(draft), "--max-new-tokens", "8", "--num-shards", "2", "--shard-index", "0")
+    assert result.returncode == 2 and "num_shards" in result.stderr  # its rows would belong to other shards
+
+
 def merge(*args):
     return subprocess.run([sys.executable, "-m", "batchspec", "merge", *args], env=ENV, capture_output=True, text=True)
 

@@ -22,7 +22,11 @@ def shard_summaries(out, shards=(0, 1)) -> list[dict]:
 
 def test_two_cpu_workers_make_one_run(setup, tmp_path):
     out = tmp_path / "out.jsonl"
-    result = subprocess.run(devices_run(setup, out), env=ENV, capture_output=True, text=True, timeout=300)
+    sidecar(out, ".run.json").write_text("{}")  # OUT begun by a run without --devices
+    refused = subprocess.run(devices_run(setup, out), env=ENV, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "without --devices" in refused.stderr
+    result = subprocess.run([*devices_run(setup, out), "--overwrite"], env=ENV, capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 3, result.stderr
     assert_same_as_reference(out, setup)
     summaries = shard_summaries(out)
