@@ -7,10 +7,12 @@ reported with its log; the other workers go on, and rerunning the same command r
 """
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+import tomllib
 from dataclasses import fields, replace
 from pathlib import Path
 
@@ -40,6 +42,18 @@ def check_devices_options(cfg: RunConfig) -> None:
                          "or a SLURM array (give each array task one device instead)")
     if "{shard" in cfg.out:
         raise UsageError("with --devices, --out is the merged output: drop its {shard} placeholder")
+
+
+def check_resumable(cfg: RunConfig, config_file: Path, count: int) -> None:
+    """OUT must be new or begun by --devices with as many devices (the shards hold other rows)."""
+    if OutputPaths.of(cfg.out).fingerprint.exists():
+        raise UsageError(f"{cfg.out} was started by a run without --devices; resume it the same way, "
+                         "or pass --overwrite to start over")
+    if config_file.exists():
+        before = tomllib.loads(config_file.read_text())["num_shards"]
+        if before != count:
+            raise UsageError(f"{cfg.out} was started on {before} devices; resume it on {before}, "
+                             "or pass --overwrite to start over")
 
 
 class Worker:
@@ -101,16 +115,15 @@ def run_on_devices(cfg: RunConfig) -> int:
     folder = shard_folder(cfg.out)
     template = str(folder / "part-{shard}.jsonl")
     paths = OutputPaths.of(cfg.out)
+    config_file = folder / "run.toml"
     with locked(paths):
-        folder.mkdir(parents=True, exist_ok=True)
         if cfg.overwrite:
-            for shard in [paths] + [OutputPaths.of(template.format(shard=i)) for i in range(len(devices))]:
-                for path in shard.all():
-                    path.unlink(missing_ok=True)
-        elif paths.fingerprint.exists():
-            raise UsageError(f"{cfg.out} was started by a run without --devices; resume it the same way, "
-                             "or pass --overwrite to start over")
-        config_file = folder / "run.toml"
+            shutil.rmtree(folder, ignore_errors=True)
+            for path in paths.all():
+                path.unlink(missing_ok=True)
+        else:
+            check_resumable(cfg, config_file, len(devices))
+        folder.mkdir(parents=True, exist_ok=True)
         shared = replace(cfg, out=template, num_shards=len(devices), devices=None, device="auto", overwrite=False,
                          progress=False)
         config_file.write_text(as_toml(shared.options()) + "\n")
@@ -149,11 +162,11 @@ def finish(workers: list[Worker], template: str, out: str) -> int:
     failed = [w for w in workers if w.process.returncode not in (EXIT_OK, EXIT_ROW_ERRORS)]
     if failed:
         say("\n".join(w.failure(len(workers)) for w in failed))
-        interrupted = all(w.process.returncode == EXIT_INTERRUPTED for w in failed)
         say(f"{len(failed)} of {len(workers)} workers did not finish; rerun the same command to resume their shards")
-        if interrupted:
+        codes = {w.process.returncode for w in failed}
+        if codes == {EXIT_INTERRUPTED}:
             return EXIT_INTERRUPTED
-        raise UserError(f"{out} was not merged")
+        raise (UsageError if codes == {UsageError.exit_code} else UserError)(f"{out} was not merged")
     summary = merge(template, out)
     rate = summary["acceptance_rate"]
     say(f"done: {summary['rows_ok']} rows ok, {summary['rows_error']} errors, {summary['completion_tokens']} tokens"

@@ -37,6 +37,9 @@ def test_two_cpu_workers_make_one_run(setup, tmp_path):
     merged = orjson.loads(sidecar(out, ".summary.json").read_bytes())
     assert merged["finished"] and merged["rows_ok"] == sum(s["rows_ok"] for s in summaries)
     assert "merged from 2 workers" in result.stderr
+    three = [*devices_run(setup, out)[:-1], "cpu,cpu,cpu"]  # shards of another size: their rows differ
+    refused = subprocess.run(three, env=ENV, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "started on 2 devices" in refused.stderr
 
 
 def test_a_dead_worker_is_reported_and_its_shard_resumes(setup, tmp_path):
@@ -74,6 +77,7 @@ def test_a_stop_signal_reaches_every_worker(setup, tmp_path):
     (["--num-shards", "2", "--shard-index", "0"], "cannot be combined"),
     (["--out", "part-{shard}.jsonl"], "drop its {shard} placeholder"),
     (["--devices", "cpu,,cpu"], "comma-separated list"),
+    (["--target", "no/such-model"], "not merged"),  # every worker exits 2, so does the run
 ])
 def test_devices_usage_errors(setup, tmp_path, args, message):
     result = run_cli(str(setup["input"]), "--out", str(tmp_path / "out.jsonl"), "--devices", "cpu,cpu", *args)
