@@ -6,9 +6,9 @@ own greedy answers. Reproduces models/smollm2-135m-draft on a 2-core CPU in abou
 Steps: (1) write a broad set of prompts: questions the target writes itself, requests about
 the Python standard library's prose and code, and template rows; (2) complete them with the
 target through `batchspec run --mode ar` (bfloat16, resumable); (3) record the target's top-32
-log-probabilities at every completion position; (4) train the draft on prompt + completion with cross-entropy to those soft labels plus to the target's
-greedy token (greedy acceptance is exactly "the draft predicts the target's argmax"); its
-embeddings start as the target's, projected on their top principal directions; (5) save it
+log-probabilities at every completion position; (4) train the draft on prompt + completion with
+cross-entropy to those soft labels plus to the target's greedy token (greedy acceptance is
+exactly "the draft predicts the target's argmax"); its embeddings start as the target's, projected on their top principal directions; (5) save it
 in bfloat16 with the target's tokenizer, measure it and write its model card.
 """
 
