@@ -8,8 +8,9 @@ the Python standard library's prose and code, and template rows; (2) complete th
 target through `batchspec run --mode ar` (bfloat16, resumable); (3) record the target's top-32
 log-probabilities at every completion position; (4) train the draft on prompt + completion with
 cross-entropy to those soft labels plus to the target's greedy token (greedy acceptance is
-exactly "the draft predicts the target's argmax"); its embeddings start as the target's, projected on their top principal directions; (5) save it
-in bfloat16 with the target's tokenizer, measure it and write its model card.
+exactly "the draft predicts the target's argmax"); its embeddings start as the target's,
+projected on their top principal directions; (5) save it in bfloat16 with the target's
+tokenizer, measure it and write its model card.
 """
 
 import argparse
