@@ -13,6 +13,29 @@ def say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+class StopSignals:
+    """While active, SIGTERM, SIGINT and SIGUSR1 (SLURM's preemption notice) do not kill the
+    process: they are recorded in `received` (a run stops between two decode steps, dropping
+    the batch in flight, which the rerun redoes) and handed to `forward`, if given."""
+
+    def __init__(self, forward=None):
+        self.received: int | None = None
+        self.forward = forward
+
+    def __enter__(self):
+        self.previous = {s: signal.signal(s, self.handle) for s in STOP_SIGNALS}
+        return self
+
+    def handle(self, signum, frame):
+        self.received = signum
+        if self.forward:
+            self.forward(signum)
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
 class UserError(Exception):
     """Something the user can fix that is not an option problem (exit 1)."""
 

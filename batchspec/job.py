@@ -1,7 +1,6 @@
 """The batch job: source -> buckets -> decoder -> sink, with progress, resume and clean stops."""
 
 import platform
-import signal
 import time
 from collections import Counter
 from dataclasses import replace
@@ -17,31 +16,12 @@ from batchspec.config import RunConfig
 from batchspec.decoding import DecodeConfig, resolve_sampling
 from batchspec.decoding.engine import BatchDecoder
 from batchspec.defaults import default_draft, default_target
-from batchspec.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_ROW_ERRORS, STOP_SIGNALS, UsageError, say
+from batchspec.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_ROW_ERRORS, StopSignals, UsageError, say
 from batchspec.models import context_length, load_config, load_pair, load_tokenizer
 from batchspec.records import RecordMaker
 from batchspec.sink import OutputPaths, Sink, check_fingerprint, locked, write_atomic
-from batchspec.sources import Fields, RowError, input_size, read_input
+from batchspec.sources import RowError, input_size, read_run_input
 from batchspec.stats import RunStats, progress_bar
-
-
-class StopSignals:
-    """SIGTERM, SIGINT and SIGUSR1 (SLURM's preemption notice) ask the run to stop between two
-    decode steps; the batch in flight is dropped (the rerun redoes it), nothing is torn."""
-
-    def __init__(self):
-        self.received: int | None = None
-
-    def __enter__(self):
-        self.previous = {s: signal.signal(s, self.handle) for s in STOP_SIGNALS}
-        return self
-
-    def handle(self, signum, frame):
-        self.received = signum
-
-    def __exit__(self, *exc):
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
 
 
 def with_default_models(cfg: RunConfig) -> RunConfig:
@@ -63,8 +43,7 @@ def check_options(cfg: RunConfig) -> None:
 
 
 def iter_items(cfg: RunConfig):
-    fields = Fields(prompt=cfg.prompt_field, id=cfg.id_field, messages=cfg.messages_field)
-    return read_input(cfg.input, fields, split=cfg.split, subset=cfg.subset)
+    return read_run_input(cfg.input, cfg.options())
 
 
 def encoder(cfg: RunConfig, tokenizer, context: int | None):
@@ -97,13 +76,6 @@ def record_maker(cfg: RunConfig, tokenizer) -> RecordMaker:
 def with_shard(cfg: RunConfig) -> RunConfig:
     num_shards, shard_index, out = shards.resolve(cfg.num_shards, cfg.shard_index, cfg.out)
     return replace(cfg, num_shards=num_shards, shard_index=shard_index, out=out)
-
-
-def owned(cfg: RunConfig, items):
-    """Only this shard's rows and error lines."""
-    if cfg.num_shards == 1:
-        return items
-    return (i for i in items if shards.shard_of(shards.owner_key(i), cfg.num_shards) == cfg.shard_index)
 
 
 def run(cfg: RunConfig) -> int:
@@ -146,7 +118,7 @@ def run_locked(cfg: RunConfig, paths: OutputPaths, sink: Sink, stop: StopSignals
                 yield item
 
     interrupted = False
-    batches = plan(fresh(owned(cfg, iter_items(cfg))), encode, window=cfg.window, batch_size=cfg.batch_size,
+    batches = plan(fresh(shards.owned(iter_items(cfg), cfg.num_shards, cfg.shard_index)), encode, window=cfg.window, batch_size=cfg.batch_size,
                    max_batch_tokens=cfg.max_batch_tokens, max_new_tokens=cfg.max_new_tokens)
     for item in batches:
         if isinstance(item, RowError):
@@ -221,7 +193,7 @@ def dry_run(cfg: RunConfig) -> int:
     encode = encoder(cfg, tokenizer, min(contexts, default=None))
     errors, lengths, batch_sizes = Counter(), Counter(), Counter()
     rows = pads = slots = 0
-    for item in plan(owned(cfg, iter_items(cfg)), encode, window=cfg.window, batch_size=cfg.batch_size,
+    for item in plan(shards.owned(iter_items(cfg), cfg.num_shards, cfg.shard_index), encode, window=cfg.window, batch_size=cfg.batch_size,
                      max_batch_tokens=cfg.max_batch_tokens, max_new_tokens=cfg.max_new_tokens):
         if isinstance(item, RowError):
             if sum(errors.values()) < 20:

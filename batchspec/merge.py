@@ -12,7 +12,7 @@ import orjson
 
 from batchspec.errors import UserError
 from batchspec.sink import OutputPaths, write_atomic
-from batchspec.sources import Fields, Row, read_input
+from batchspec.sources import Row, read_run_input
 
 
 class IncompleteShards(UserError):
@@ -56,8 +56,7 @@ def unique_lines(paths: list[Path], key: str) -> list[tuple[object, bytes]]:
 
 
 def input_order(source: str, options: dict) -> dict[str, int]:
-    fields = Fields(prompt=options["prompt_field"], id=options["id_field"], messages=options["messages_field"])
-    items = read_input(source, fields, split=options["split"], subset=options["subset"])
+    items = read_run_input(source, options)
     return {item.id: item.line for item in items if isinstance(item, Row)}  # error lines hold no record
 
 

@@ -20,6 +20,13 @@ def owner_key(item) -> str:
     return item.id if item.id is not None else f"line:{item.line}"
 
 
+def owned(items, num_shards: int, shard_index: int):
+    """Only the rows and error lines of shard shard_index."""
+    if num_shards == 1:
+        return items
+    return (i for i in items if shard_of(owner_key(i), num_shards) == shard_index)
+
+
 def resolve(num_shards: int | None, shard_index: int | None, out: str, env=os.environ) -> tuple[int, int, str]:
     """(num_shards, shard_index, OUT with {shard} filled in). Unset: SLURM array task, else 1 shard."""
     if num_shards is None and "SLURM_ARRAY_TASK_COUNT" in env:

@@ -273,3 +273,10 @@ def read_input(source: str, fields: Fields, *, split: str = "train", subset: str
     if not os.path.isfile(source):
         raise UsageError(f"input not found: {source} (a JSONL file, a dataset folder, or hf:OWNER/NAME)")
     return unique_ids(jsonl_items(source, fields))
+
+
+def read_run_input(source: str, options: dict):
+    """read_input with a run's own fields, split and subset (RunConfig.options(), or the
+    options in a run's summary)."""
+    fields = Fields(prompt=options["prompt_field"], id=options["id_field"], messages=options["messages_field"])
+    return read_input(source, fields, split=options["split"], subset=options["subset"])

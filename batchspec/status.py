@@ -8,9 +8,9 @@ from pathlib import Path
 import orjson
 
 from batchspec.merge import row_stats, shard_outputs
-from batchspec.shards import owner_key, shard_of
+from batchspec.shards import owned
 from batchspec.sink import OutputPaths
-from batchspec.sources import Fields, read_input
+from batchspec.sources import read_run_input
 
 HEADER = ["output", "rows", "errors", "remaining", "acceptance", "tok/s", "state"]
 
@@ -62,10 +62,7 @@ def input_rows(source: str, options: dict) -> int | None:
     """Non-blank lines (or examples) of the input that belong to this shard; None if it is gone."""
     if not (os.path.exists(source) or source.startswith("hf:")):
         return None
-    fields = Fields(prompt=options["prompt_field"], id=options["id_field"], messages=options["messages_field"])
-    items = read_input(source, fields, split=options["split"], subset=options["subset"])
-    return sum(1 for item in items
-               if shard_of(owner_key(item), options["num_shards"]) == options["shard_index"])
+    return sum(1 for _ in owned(read_run_input(source, options), options["num_shards"], options["shard_index"]))
 
 
 def status(out_or_template: str) -> list[dict]:

@@ -17,7 +17,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 from batchspec.config import RunConfig, as_toml
-from batchspec.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_ROW_ERRORS, STOP_SIGNALS, UsageError, UserError, say
+from batchspec.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_ROW_ERRORS, StopSignals, UsageError, UserError, say
 from batchspec.merge import merge
 from batchspec.sink import OutputPaths, locked
 from batchspec.sources import input_size
@@ -138,23 +138,19 @@ def wait(workers: list[Worker], template: str, total_rows: int | None, progress:
     """Until every worker has exited; stop signals are passed on to them (each then stops between
     two decode steps, as a single run does)."""
 
-    def forward(signum, frame):
+    def forward(signum):
         for w in workers:
             if w.process.poll() is None:
                 w.process.send_signal(signum)
 
-    previous = {s: signal.signal(s, forward) for s in STOP_SIGNALS}
-    counters = [LineCounter(OutputPaths.of(template.format(shard=w.index)).out) for w in workers]
-    counters += [LineCounter(OutputPaths.of(template.format(shard=w.index)).errors) for w in workers]
+    shard_paths = [OutputPaths.of(template.format(shard=w.index)) for w in workers]
+    counters = [LineCounter(path) for paths in shard_paths for path in (paths.out, paths.errors)]
     bar = progress_bar(total_rows, progress)
-    try:
+    with StopSignals(forward):
         while any(w.process.poll() is None for w in workers):
             time.sleep(0.5)
             bar.update(sum(c() for c in counters) - bar.n)
-    finally:
-        bar.close()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    bar.close()
 
 
 def finish(workers: list[Worker], template: str, out: str) -> int:
