@@ -138,6 +138,18 @@ def test_logit_widths_differ(case, wider):
     assert [r.token_ids for r in out.rows] == expected
 
 
+def test_draft_covering_a_prefix_of_the_vocabulary(case):
+    """A draft that knows only the first half of the ids (a trimmed embedding table): prompts and
+    target tokens beyond it go into the draft as its last id, it never proposes them."""
+    family, pair, prompts, expected = case
+    narrow = copy.deepcopy(pair.draft)
+    narrow.resize_token_embeddings(len(pair.tokenizer) // 2, mean_resizing=False)
+    assert max(max(p) for p in prompts) >= len(pair.tokenizer) // 2
+    out = decode(pair, narrow, prompts, gamma=3)
+    assert [r.token_ids for r in out.rows] == expected
+    assert sum(r.stats["accepted_tokens"] for r in out.rows) > 0
+
+
 def test_row_statistics_add_up(case):
     family, pair, prompts, expected = case
     gamma = 3

@@ -132,16 +132,11 @@ def start_rows(row_ids, limits: list[int], seeds: list[int], config: DecodeConfi
 
 
 def propose(draft_kv: BatchKV, rows: Rows, gamma: int, params: SamplingParams, vocab: int):
-    """The draft's G proposals. Returns tokens [B, G] and q [B, G, V] (None when greedy).
-
-    A target token beyond the draft's embeddings (a padded id) goes in as the draft's last id:
-    it only makes that proposal worse, the target's verification keeps the output exact.
-    """
-    draft_ids = draft_kv.model.get_input_embeddings().num_embeddings
+    """The draft's G proposals. Returns tokens [B, G] and q [B, G, V] (None when greedy)."""
     ones = torch.ones_like(rows.last)[:, None]  # [B, 1]
-    ids, mask = rows.last.clamp(max=draft_ids - 1)[:, None], ones  # [B, 1]
+    ids, mask = rows.last[:, None], ones  # [B, 1]
     if rows.any_pending:  # last step's fully accepted rows still owe the draft its last proposal
-        ids = torch.stack([rows.pending, rows.last.clamp(max=draft_ids - 1)], dim=1)  # [B, 2]
+        ids = torch.stack([rows.pending, rows.last], dim=1)  # [B, 2]
         mask = torch.stack([rows.has_pending, rows.last.new_ones(rows.last.shape)], dim=1)
     u = None if params.greedy else rows.uniform(DRAFT, gamma)  # [B, G]
     tokens, qs = [], []

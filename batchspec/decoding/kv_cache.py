@@ -12,6 +12,7 @@ from transformers import DynamicCache
 class BatchKV:
     def __init__(self, model, batch_size: int, device: torch.device):
         self.model = model
+        self.last_id = model.get_input_embeddings().num_embeddings - 1  # wider ids go in as this one
         self.cache = DynamicCache(config=model.config)
         self.mask = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # [B, L]
 
@@ -24,11 +25,13 @@ class BatchKV:
 
         input_ids, input_mask: [B, S] (mask 0 = a slot no query will ever attend to)
         Returns logits [B, S, V] (or the last `logits_to_keep` positions).
+        An id beyond the model's embeddings (a draft covering only part of the target's
+        vocabulary) goes in as its last id: it only makes a draft's proposals worse.
         """
         self.mask = torch.cat([self.mask, input_mask], dim=1)  # [B, L+S]
         position_ids = (self.mask.cumsum(-1) - 1).clamp_(min=0)[:, -input_ids.shape[1] :]  # [B, S]
         out = self.model(
-            input_ids=input_ids,
+            input_ids=input_ids.clamp(max=self.last_id),
             attention_mask=self.mask,
             position_ids=position_ids,
             past_key_values=self.cache,
