@@ -42,8 +42,9 @@ def check_options(cfg: RunConfig) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
 
 
-def iter_items(cfg: RunConfig):
-    return read_run_input(cfg.input, cfg.options())
+def shard_items(cfg: RunConfig):
+    """This shard's rows and error lines of the input."""
+    return shards.owned(read_run_input(cfg.input, cfg.options()), cfg.num_shards, cfg.shard_index)
 
 
 def encoder(cfg: RunConfig, tokenizer, context: int | None):
@@ -118,7 +119,7 @@ def run_locked(cfg: RunConfig, paths: OutputPaths, sink: Sink, stop: StopSignals
                 yield item
 
     interrupted = False
-    batches = plan(fresh(shards.owned(iter_items(cfg), cfg.num_shards, cfg.shard_index)), encode, window=cfg.window, batch_size=cfg.batch_size,
+    batches = plan(fresh(shard_items(cfg)), encode, window=cfg.window, batch_size=cfg.batch_size,
                    max_batch_tokens=cfg.max_batch_tokens, max_new_tokens=cfg.max_new_tokens)
     for item in batches:
         if isinstance(item, RowError):
@@ -193,7 +194,7 @@ def dry_run(cfg: RunConfig) -> int:
     encode = encoder(cfg, tokenizer, min(contexts, default=None))
     errors, lengths, batch_sizes = Counter(), Counter(), Counter()
     rows = pads = slots = 0
-    for item in plan(shards.owned(iter_items(cfg), cfg.num_shards, cfg.shard_index), encode, window=cfg.window, batch_size=cfg.batch_size,
+    for item in plan(shard_items(cfg), encode, window=cfg.window, batch_size=cfg.batch_size,
                      max_batch_tokens=cfg.max_batch_tokens, max_new_tokens=cfg.max_new_tokens):
         if isinstance(item, RowError):
             if sum(errors.values()) < 20:
