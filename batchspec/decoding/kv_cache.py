@@ -56,10 +56,6 @@ class BatchKV:
         self.cache.batch_select_indices(rows)
         self.mask = self.mask[rows]
 
-    def waste(self) -> float:
-        """Fraction of cache slots that are pads or holes (a host sync)."""
-        return 1.0 - self.mask.float().mean().item() if self.mask.numel() else 0.0
-
     def compact(self) -> None:
         """Drop pads and holes: move each row's valid slots, in order, to the right end.
 
