@@ -24,9 +24,10 @@ def test_slice_of_every_layer_and_id_is_the_target(tiny_pair, family):
     target = AutoModelForCausalLM.from_pretrained(tiny_pair(family)[0]).eval()
     vocab, layers = target.config.vocab_size, target.config.num_hidden_layers
     ids = torch.randint(0, vocab, (2, 12))
-    whole = make_draft().draft_from_target(target, vocab, list(range(layers))).eval()
+    draft_from_target = make_draft().draft_from_target
+    whole = draft_from_target(target, vocab, list(range(layers))).eval()
     torch.testing.assert_close(whole(ids).logits, target(ids).logits)
-    part = make_draft().draft_from_target(target, vocab // 2, [layers - 1]).eval()
+    part = draft_from_target(target, vocab // 2, [layers - 1]).eval()
     assert part.config.vocab_size == vocab // 2 and len(part.model.layers) == 1
     torch.testing.assert_close(part.lm_head.weight, target.lm_head.weight[: vocab // 2])
     torch.testing.assert_close(part.model.layers[0].mlp.up_proj.weight, target.model.layers[-1].mlp.up_proj.weight)
