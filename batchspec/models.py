@@ -100,9 +100,15 @@ def load_model(spec: str, dtype: torch.dtype, device: torch.device):
     path = source(spec)
     hf_logging.disable_progress_bar()  # the job shows its own progress
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+        # None: SDPA, or eager attention for the few architectures without an SDPA version
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=None)
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot load model {spec!r}: {first_line(e)}") from e
+    if getattr(model, "_is_stateful", False):  # what generate() checks: a recurrent state, not a KV cache
+        raise ModelError(
+            f"{spec!r} is a {type(model).__name__}, whose recurrent state cannot be rolled back to the "
+            "accepted tokens; batchspec needs attention-only models (a KV cache)"
+        )
     return model.to(device).eval()
 
 

@@ -12,8 +12,10 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
     GPT2Config,
     LlamaConfig,
+    MistralConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
 )
@@ -64,23 +66,27 @@ def build_tokenizer(vocab_size: int = 512, seed: int = 0) -> PreTrainedTokenizer
     )
 
 
-def build_config(family: str, tokenizer, size: int = 64, layers: int = 2):
+def build_config(family: str, tokenizer, size: int = 64, layers: int = 2, window: int = 4096):
+    """window: the sliding window of "mistral" (every layer) and "gemma2" (every other layer)."""
     common = {
         "vocab_size": len(tokenizer),
         "initializer_range": 0.2,
         "bos_token_id": tokenizer.pad_token_id,
         "eos_token_id": tokenizer.eos_token_id,
     }
+    decoder = {  # the Llama-shaped families
+        "hidden_size": size, "intermediate_size": 2 * size, "num_hidden_layers": layers, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 1024, **common,
+    }
     if family == "llama":
-        return LlamaConfig(
-            hidden_size=size, intermediate_size=2 * size, num_hidden_layers=layers, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=1024, **common,
-        )
+        return LlamaConfig(**decoder)
     if family == "qwen2":
-        return Qwen2Config(
-            hidden_size=size, intermediate_size=2 * size, num_hidden_layers=layers, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=1024, **common,
-        )
+        return Qwen2Config(**decoder)
+    if family == "mistral":
+        return MistralConfig(sliding_window=window, **decoder)
+    if family == "gemma2":  # also: eager attention (no SDPA version), soft-capped logits; untied, or
+        # its scaled input embeddings make it repeat its input
+        return Gemma2Config(head_dim=size // 4, sliding_window=window, tie_word_embeddings=False, **decoder)
     if family == "gpt2":
         return GPT2Config(n_embd=size, n_layer=layers, n_head=4, n_positions=1024, **common)
     raise ValueError(f"unknown tiny family {family!r}")
@@ -99,12 +105,13 @@ def perturbed(model, noise: float, seed: int):
 
 
 def build_pair(
-    folder: Path, family: str, *, noise: float = 0.1, seed: int = 0, eos_token_ids=None, size: int = 64, layers: int = 2
+    folder: Path, family: str, *, noise: float = 0.1, seed: int = 0, eos_token_ids=None, size: int = 64, layers: int = 2,
+    window: int = 4096,
 ) -> tuple[Path, Path]:
     """Write a tiny target and its noisy draft (same tokenizer) under `folder`; return both paths."""
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
-    target = AutoModelForCausalLM.from_config(build_config(family, tokenizer, size, layers))
+    target = AutoModelForCausalLM.from_config(build_config(family, tokenizer, size, layers, window))
     draft = perturbed(target, noise, seed + 1)
     eos = tokenizer.eos_token_id if eos_token_ids is None else list(eos_token_ids)
     paths = []

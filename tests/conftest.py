@@ -26,7 +26,7 @@ def tiny_pair(tmp_path_factory):
     def get(family: str, **kwargs):
         key = (family, tuple(sorted(kwargs.items())))
         if key not in built:
-            built[key] = build_pair(root / f"{family}-{len(built)}", family, noise=0.03, **kwargs)
+            built[key] = build_pair(root / f"{family}-{len(built)}", family, **{"noise": 0.03, **kwargs})
         return built[key]
 
     return get

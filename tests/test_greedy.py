@@ -121,6 +121,22 @@ def test_unrelated_draft_still_exact(case, tiny_pair):
     assert sum(rates) / len(rates) < 0.3
 
 
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_sliding_window_counts_true_positions(tiny_pair, family):
+    """Windows of 12 tokens, rows of up to 160: the window is counted in each row's own positions,
+    past left pads and rollback holes (Mistral: every layer slides, SDPA; Gemma 2: every other
+    layer, eager attention)."""
+    target_path, draft_path = tiny_pair(family, window=12)
+    pair = load_pair(str(target_path), str(draft_path), dtype="float32", device="cpu")
+    prompts = random_prompts(len(pair.tokenizer), LENGTHS)
+    expected = [reference(pair.target, p, pair.eos_token_ids) for p in prompts]
+    for draft, compact_at in [(pair.draft, 0.3), (pair.draft, 0.0), (None, 0.3)]:
+        out = decode(pair, draft, prompts, gamma=4, compact_at=compact_at)
+        assert [r.token_ids for r in out.rows] == expected
+    rates = [r.stats["acceptance_rate"] for r in decode(pair, pair.draft, prompts, gamma=4).rows]
+    assert 0 < sum(rates) / len(rates) < 1  # rejections: rollback holes inside the windows
+
+
 @pytest.mark.parametrize("wider", ["draft", "target"])
 def test_logit_widths_differ(case, wider):
     """A draft and target of one family with padded embeddings of different widths."""

@@ -4,7 +4,7 @@ import time
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, MambaConfig, PreTrainedTokenizerFast
 
 from batchspec.defaults import default_target
 from batchspec.models import (
@@ -27,6 +27,16 @@ def test_unknown_model_is_a_model_error():
         load_pair("/no/such/model/folder", dtype="float32", device="cpu")
     with pytest.raises(ModelError, match="GGUF file not found"):
         load_pair("/no/such/model.gguf", dtype="float32", device="cpu")
+
+
+def test_recurrent_model_is_refused(tmp_path):
+    """A Mamba-style model's state cannot be cut back to the accepted tokens: a clear ModelError."""
+    tokenizer = build_tokenizer()
+    config = MambaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, state_size=4)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "mamba")
+    tokenizer.save_pretrained(tmp_path / "mamba")
+    with pytest.raises(ModelError, match="MambaForCausalLM, whose recurrent state cannot be rolled back"):
+        load_pair(str(tmp_path / "mamba"), dtype="float32", device="cpu")
 
 
 def test_dtype_and_device_choices():

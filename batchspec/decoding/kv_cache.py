@@ -3,6 +3,10 @@
 The cache has one slot per column of `mask` ([B, L]); a 0 marks a left pad or a hole left by a
 rollback. Positions are always `cumsum(mask) - 1`, so pads and holes are skipped and each row
 sees exactly its own tokens at their true positions, whatever its batch mates did.
+
+Sliding-window attention (Mistral, Gemma 2/3, gpt-oss, ...) counts its window in true positions
+too: such models get 4D masks built here, since the library's own count slots (pads and holes
+included), and every layer keeps its whole past so that rollback and compaction stay possible.
 """
 
 import torch
@@ -13,7 +17,10 @@ class BatchKV:
     def __init__(self, model, batch_size: int, device: torch.device):
         self.model = model
         self.last_id = model.get_input_embeddings().num_embeddings - 1  # wider ids go in as this one
-        self.cache = DynamicCache(config=model.config)
+        text_config = model.config.get_text_config(decoder=True)
+        self.window = getattr(text_config, "sliding_window", None)  # how far sliding layers look back
+        self.layer_types = getattr(text_config, "layer_types", None)  # None: every layer slides
+        self.cache = DynamicCache(config=model.config) if self.window is None else DynamicCache()
         self.mask = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # [B, L]
 
     @property
@@ -32,13 +39,33 @@ class BatchKV:
         position_ids = (self.mask.cumsum(-1) - 1).clamp_(min=0)[:, -input_ids.shape[1] :]  # [B, S]
         out = self.model(
             input_ids=input_ids.clamp(max=self.last_id),
-            attention_mask=self.mask,
+            attention_mask=self.mask if self.window is None else self.window_masks(input_ids.shape[1]),
             position_ids=position_ids,
             past_key_values=self.cache,
             use_cache=True,
             logits_to_keep=logits_to_keep,
         )
         return out.logits
+
+    def window_masks(self, S: int):
+        """Additive masks [B, 1, S, L] for the last S slots: "full_attention" sees every earlier
+        token of the row, "sliding_attention" only those fewer than `window` positions back.
+        A slot always sees itself, so a pad's or a hole's (unused) query is never left empty."""
+        slot = torch.arange(self.length, device=self.mask.device)  # [L]
+        own = slot[None, :] == slot[-S:, None]  # [S, L]
+        seen = self.mask.bool()[:, None, :] & (slot[None, :] <= slot[-S:, None])  # [B, S, L]
+        position = self.mask.cumsum(-1)  # [B, L]
+        near = position[:, -S:, None] - position[:, None, :] < self.window  # [B, S, L]
+        dtype = self.model.dtype
+
+        def additive(allowed):  # [B, S, L] bool -> [B, 1, S, L], 0 where allowed
+            return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+                ~allowed, torch.finfo(dtype).min)[:, None]
+
+        sliding = additive(seen & near | own)
+        if self.layer_types is None:
+            return sliding
+        return {"full_attention": additive(seen | own), "sliding_attention": sliding}
 
     def rollback(self, keep: torch.Tensor, appended: int, max_keep: int) -> None:
         """Of the last `appended` slots, row b keeps its first keep[b] ([B]); max_keep = keep.max().
