@@ -6,12 +6,14 @@ their summaries say how many shards there are and whether each finished.
 
 import glob
 import re
+from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import orjson
 
 from batchspec.errors import UserError
-from batchspec.sink import OutputPaths, write_atomic
+from batchspec.sink import OutputPaths, atomic_file, write_atomic
 from batchspec.sources import Row, read_run_input
 
 
@@ -42,17 +44,32 @@ def check_complete(shards: list[OutputPaths], allow_partial: bool) -> list[dict]
     return known
 
 
-def unique_lines(paths: list[Path], key: str) -> list[tuple[object, bytes]]:
-    """(record[key], line) of every record, each key once."""
-    seen, out = set(), []
-    for path in paths:
-        if path.exists():
-            for line in path.read_bytes().splitlines():
-                value = orjson.loads(line)[key]
-                if value not in seen:
-                    seen.add(value)
-                    out.append((value, line))
-    return out
+def unique_lines(paths: list[Path], key: str) -> Iterator[tuple[dict, tuple[int, int, int]]]:
+    """(record, place) of each complete line, the first with each record[key] only; a place is
+    (file index, offset, length), so that lines can be copied later without being held.
+    A torn last line (a shard killed mid-write, merged with --allow-partial) is skipped."""
+    seen = set()
+    for i, path in enumerate(paths):
+        if not path.exists():
+            continue
+        with open(path, "rb") as f:
+            offset = 0
+            for line in f:
+                if line.endswith(b"\n"):
+                    record = orjson.loads(line)
+                    if record[key] not in seen:
+                        seen.add(record[key])
+                        yield record, (i, offset, len(line))
+                offset += len(line)
+
+
+def copy_lines(paths: list[Path], places: list[tuple[int, int, int]], target: Path) -> None:
+    """Write the lines at `places` (in that order) of the files `paths` atomically to target."""
+    with ExitStack() as stack, atomic_file(target) as out:
+        files = [stack.enter_context(open(p, "rb")) if p.exists() else None for p in paths]
+        for i, offset, length in places:
+            files[i].seek(offset)
+            out.write(files[i].read(length))
 
 
 def input_order(source: str, options: dict) -> dict[str, int]:
@@ -70,21 +87,22 @@ def merge(template: str, out: str, *, allow_partial: bool = False, order_by_inpu
     summaries = check_complete(shards, allow_partial)
     options = summaries[0]["options"]
     id_key = "custom_id" if options["output_format"] == "openai" else "id"
-    records = unique_lines([p.out for p in shards], id_key)
-    errors = unique_lines([p.errors for p in shards], "line")
+    outs, error_files = [p.out for p in shards], [p.errors for p in shards]
+    totals = {"completion_tokens": 0, "draft_tokens": 0, "accepted_tokens": 0}
+    records = []  # (id, place)
+    for record, place in unique_lines(outs, id_key):
+        stats = row_stats(record)
+        for k in totals:
+            totals[k] += stats[k]
+        records.append((record[id_key], place))
+    errors = sorted((record["line"], place) for record, place in unique_lines(error_files, "line"))
     if order_by_input:
         position = input_order(order_by_input, options)
         records.sort(key=lambda pair: position.get(pair[0], float("inf")))
-    errors.sort(key=lambda pair: pair[0])
     target = OutputPaths.of(out)
     target.out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(target.out, b"".join(line + b"\n" for _, line in records))
-    write_atomic(target.errors, b"".join(line + b"\n" for _, line in errors))
-    totals = {"completion_tokens": 0, "draft_tokens": 0, "accepted_tokens": 0}
-    for _, line in records:
-        stats = row_stats(orjson.loads(line))
-        for k in totals:
-            totals[k] += stats[k]
+    copy_lines(outs, [place for _, place in records], target.out)
+    copy_lines(error_files, [place for _, place in errors], target.errors)
     summary = {
         "finished": all(s["finished"] for s in summaries) and len(summaries) == options["num_shards"],
         "shards": [str(p.out) for p in shards],

@@ -57,13 +57,20 @@ def locked(paths: OutputPaths):
         yield
 
 
-def write_atomic(path: Path, data: bytes) -> None:
+@contextmanager
+def atomic_file(path: Path):
+    """A binary file that replaces `path` only once it is completely written and synced."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
-        f.write(data)
+        yield f
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    with atomic_file(path) as f:
+        f.write(data)
 
 
 def recover(path: Path) -> Iterator[dict]:

@@ -98,9 +98,12 @@ def test_merge_refuses_missing_or_unfinished_shards(sharded, tmp_path):
     summary.write_bytes(summary.read_bytes().replace(b'"finished": true', b'"finished": false'))
     result = merge(str(partial / "part-{shard}.jsonl"), "--out", str(merged))
     assert result.returncode == 3 and "part-2.jsonl is unfinished" in result.stderr
+    expected = sorted(lines(partial / "part-0.jsonl") + lines(partial / "part-2.jsonl"))
+    with open(partial / "part-2.jsonl", "ab") as f:  # a record twice, then a line torn by a kill
+        f.write((partial / "part-0.jsonl").read_bytes().splitlines(keepends=True)[0] + b'{"id": "row-')
     result = merge(str(partial / "part-{shard}.jsonl"), "--out", str(merged), "--allow-partial")
     assert result.returncode == 0, result.stderr
-    assert lines(merged) == sorted(lines(partial / "part-0.jsonl") + lines(partial / "part-2.jsonl"))
+    assert lines(merged) == expected
     assert orjson.loads(sidecar(merged, ".summary.json").read_bytes())["finished"] is False
 
 
