@@ -68,9 +68,12 @@ def parse_json(text: str):
     try:
         return orjson.loads(text)
     except orjson.JSONDecodeError as e:
+        stripped = text.strip()
         try:
-            _, end = json.JSONDecoder().raw_decode(text.lstrip())
+            _, end = json.JSONDecoder().raw_decode(stripped)
         except json.JSONDecodeError:
+            end = len(stripped)
+        if end == len(stripped):  # no value before the error, or one only Python's json takes (NaN, "\ud800")
             raise ValueError("invalid_json", str(e)) from None
         raise ValueError("trailing_data", f"unexpected data after the JSON value at column {end + 1}") from None
 

@@ -21,6 +21,8 @@ BAD_LINES = [
     (b'{"id": 1, "prompt": "again"}', "duplicate_id"),
     (b'{"id": true, "prompt": "bool id"}', "invalid_id"),
     (b'{"id": 12.5, "prompt": "float id"}', "invalid_id"),
+    (b'{"id": 13, "prompt": "x", "temperature": NaN}', "invalid_json"),  # Python's json would take these two
+    (b'{"id": 14, "prompt": "\\ud800 alone"}', "invalid_json"),
     (b'{"prompt": "no id: the line number is the id"}', None),
 ]
 
