@@ -104,12 +104,24 @@ def load_model(spec: str, dtype: torch.dtype, device: torch.device):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=None)
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot load model {spec!r}: {first_line(e)}") from e
+    check_layers(model, spec)
+    return model.to(device).eval()
+
+
+def check_layers(model, spec: str) -> None:
+    """Refuse a model with layers whose state batchspec cannot mask by position and cut back."""
     if getattr(model, "_is_stateful", False):  # what generate() checks: a recurrent state, not a KV cache
         raise ModelError(
             f"{spec!r} is a {type(model).__name__}, whose recurrent state cannot be rolled back to the "
             "accepted tokens; batchspec needs attention-only models (a KV cache)"
         )
-    return model.to(device).eval()
+    layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ()
+    other = set(layer_types) - {"full_attention", "sliding_attention"}
+    if other:
+        raise ModelError(
+            f"{spec!r} has {', '.join(sorted(other))} layers; batchspec supports full and "
+            "sliding-window attention layers only"
+        )
 
 
 def check_same_tokenizer(target_tokenizer, draft_tokenizer) -> None:

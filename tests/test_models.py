@@ -39,6 +39,17 @@ def test_recurrent_model_is_refused(tmp_path):
         load_pair(str(tmp_path / "mamba"), dtype="float32", device="cpu")
 
 
+def test_other_layer_types_are_refused(tiny_pair, tmp_path):
+    """Layers other than full or sliding-window attention (here chunked) are not masked by position."""
+    target, _ = tiny_pair("llama")
+    model = AutoModelForCausalLM.from_pretrained(target)
+    model.config.layer_types = ["full_attention", "chunked_attention"]
+    model.save_pretrained(tmp_path / "chunked")
+    build_tokenizer().save_pretrained(tmp_path / "chunked")
+    with pytest.raises(ModelError, match="has chunked_attention layers; batchspec supports full and sliding"):
+        load_pair(str(tmp_path / "chunked"), dtype="float32", device="cpu")
+
+
 def test_dtype_and_device_choices():
     cpu = torch.device("cpu")
     assert resolve_dtype("auto", cpu) == torch.float32
