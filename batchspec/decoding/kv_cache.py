@@ -48,24 +48,24 @@ class BatchKV:
         return out.logits
 
     def window_masks(self, S: int):
-        """Additive masks [B, 1, S, L] for the last S slots: "full_attention" sees every earlier
-        token of the row, "sliding_attention" only those fewer than `window` positions back.
-        A slot always sees itself, so a pad's or a hole's (unused) query is never left empty."""
+        """Masks [B, 1, S, L] for the last S slots: "full_attention" sees every earlier token of
+        the row, "sliding_attention" only those fewer than `window` positions back. A slot always
+        sees itself, so a pad's or a hole's (unused) query is never left empty. Boolean (True =
+        attend), or additive floats for eager attention, which adds its mask to the scores."""
         slot = torch.arange(self.length, device=self.mask.device)  # [L]
         own = slot[None, :] == slot[-S:, None]  # [S, L]
         seen = self.mask.bool()[:, None, :] & (slot[None, :] <= slot[-S:, None])  # [B, S, L]
         position = self.mask.cumsum(-1)  # [B, L]
-        near = position[:, -S:, None] - position[:, None, :] < self.window  # [B, S, L]
-        dtype = self.model.dtype
-
-        def additive(allowed):  # [B, S, L] bool -> [B, 1, S, L], 0 where allowed
-            return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
-                ~allowed, torch.finfo(dtype).min)[:, None]
-
-        sliding = additive(seen & near | own)
-        if self.layer_types is None:
-            return sliding
-        return {"full_attention": additive(seen | own), "sliding_attention": sliding}
+        near = position[:, None, :] > (position[:, -S:] - self.window)[:, :, None]  # [B, S, L]
+        masks = {"sliding_attention": seen & near | own}
+        if self.layer_types is not None:
+            masks["full_attention"] = seen | own
+        if self.model.config._attn_implementation == "eager":
+            low = torch.finfo(self.model.dtype).min
+            masks = {k: torch.zeros(m.shape, dtype=self.model.dtype, device=m.device).masked_fill_(~m, low)
+                     for k, m in masks.items()}
+        masks = {k: m[:, None] for k, m in masks.items()}
+        return masks if self.layer_types is not None else masks["sliding_attention"]
 
     def rollback(self, keep: torch.Tensor, appended: int, max_keep: int) -> None:
         """Of the last `appended` slots, row b keeps its first keep[b] ([B]); max_keep = keep.max().
