@@ -11,11 +11,10 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
-    Gemma2Config,
     GPT2Config,
     LlamaConfig,
-    MistralConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
 )
@@ -66,30 +65,38 @@ def build_tokenizer(vocab_size: int = 512, seed: int = 0) -> PreTrainedTokenizer
     )
 
 
+ANY_FAMILY = {  # set on other architectures' configs where they have the field (not a computed property)
+    "rotary_dim": 8, "moe_intermediate_size": 64, "num_experts": 4, "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "tie_word_embeddings": False,  # tied, a random Gemma's scaled input embeddings make it repeat its input
+}
+
+
 def build_config(family: str, tokenizer, size: int = 64, layers: int = 2, window: int = 4096):
-    """window: the sliding window of "mistral" (every layer) and "gemma2" (every other layer)."""
+    """A tiny config of any architecture transformers knows (`model_type`), Llama-shaped where the
+    names allow. window: the sliding window where the architecture has one (mistral: every
+    layer; gemma2: every other layer, eager attention)."""
     common = {
         "vocab_size": len(tokenizer),
         "initializer_range": 0.2,
         "bos_token_id": tokenizer.pad_token_id,
         "eos_token_id": tokenizer.eos_token_id,
     }
-    decoder = {  # the Llama-shaped families
+    decoder = {
         "hidden_size": size, "intermediate_size": 2 * size, "num_hidden_layers": layers, "num_attention_heads": 4,
         "num_key_value_heads": 2, "max_position_embeddings": 1024, **common,
     }
     if family == "llama":
         return LlamaConfig(**decoder)
-    if family == "qwen2":
+    if family == "qwen2":  # no sliding window: the suite's plain 2D-mask path
         return Qwen2Config(**decoder)
-    if family == "mistral":
-        return MistralConfig(sliding_window=window, **decoder)
-    if family == "gemma2":  # also: eager attention (no SDPA version), soft-capped logits; untied, or
-        # its scaled input embeddings make it repeat its input
-        return Gemma2Config(head_dim=size // 4, sliding_window=window, tie_word_embeddings=False, **decoder)
     if family == "gpt2":
         return GPT2Config(n_embd=size, n_layer=layers, n_head=4, n_positions=1024, **common)
-    raise ValueError(f"unknown tiny family {family!r}")
+    config = AutoConfig.for_model(family, pad_token_id=tokenizer.pad_token_id, **decoder)
+    for name, value in {**ANY_FAMILY, "head_dim": size // 4, "sliding_window": window}.items():
+        if name in vars(config):
+            setattr(config, name, value)
+    return config
 
 
 def perturbed(model, noise: float, seed: int):
