@@ -25,9 +25,9 @@ class Batch:
 Encode = Callable[[list[Row]], list[list[int] | RowError]]
 
 
-def sampling_key(row: Row) -> tuple[float, float]:
-    """Rows whose own temperature/top_p differ go to different batches (-1: the run's value)."""
-    return tuple(row.options.get(name, -1.0) for name in ("temperature", "top_p"))
+def sampling_key(row: Row) -> tuple[float, ...]:
+    """Rows whose own temperature/top_p/top_k differ go to different batches (-1: the run's value)."""
+    return tuple(row.options.get(name, -1) for name in ("temperature", "top_p", "top_k"))
 
 
 def cut(encoded: list[tuple[Row, list[int]]], batch_size: int, max_batch_tokens: int | None, max_new_tokens: int):

@@ -54,10 +54,10 @@ def encoder(cfg: RunConfig, tokenizer, context: int | None):
 
 def decode(pair, batch: Batch, config: DecodeConfig, stop: StopSignals):
     """One batch through the decoder, with its rows' own options (OpenAI-batch requests): their
-    temperature/top_p (shared within a batch), max_new_tokens and seed. None when a stop
+    temperature/top_p/top_k (shared within a batch), max_new_tokens and seed. None when a stop
     signal came first."""
     options = batch.rows[0].options
-    sampling = replace(config.sampling, **{k: options[k] for k in ("temperature", "top_p") if k in options})
+    sampling = replace(config.sampling, **{k: options[k] for k in ("temperature", "top_p", "top_k") if k in options})
     limits = [r.options.get("max_new_tokens", config.max_new_tokens) for r in batch.rows]
     seeds = [r.options.get("seed", config.seed) for r in batch.rows]
     decoder = BatchDecoder(pair.target, pair.draft, batch.prompts, [r.id for r in batch.rows],

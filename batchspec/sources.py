@@ -13,6 +13,7 @@ import orjson
 
 from batchspec.errors import UsageError, first_line
 from batchspec.idset import IdSet
+from batchspec.request_body import body_problem, request_options
 
 BOM = b"\xef\xbb\xbf"
 
@@ -24,7 +25,7 @@ class Row:
     prompt: str | None  # raw text to complete, or None for a chat row
     fields: dict = field(repr=False)  # the whole input object
     messages: list[dict] | None = None  # [{role, content}, ...] for a chat row
-    options: dict = field(default_factory=dict)  # per-row max_new_tokens, temperature, top_p, seed
+    options: dict = field(default_factory=dict)  # per-row max_new_tokens, temperature, top_p, top_k, seed
     endpoint: str | None = None  # an OpenAI-batch request's url
 
 
@@ -119,29 +120,6 @@ def parse_line(raw: bytes, line: int, fields: Fields) -> Row | RowError:
 OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")
 
 
-def request_options(body: dict) -> dict:
-    """Per-row generation options of an OpenAI request body (ValueError when one is bad)."""
-    options = {}
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None:
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError("max_tokens must be a positive integer")
-        options["max_new_tokens"] = max_tokens
-    for name, low, high in (("temperature", 0.0, None), ("top_p", 0.0, 1.0)):
-        value = body.get(name)
-        if value is not None:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low or (high and value > high) \
-                    or (name == "top_p" and value == 0):
-                raise ValueError(f"{name} must be a number in {'(0, 1]' if high else '[0, inf)'}")
-            options[name] = float(value)
-    seed = body.get("seed")
-    if seed is not None:
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError("seed must be an integer")
-        options["seed"] = seed
-    return options
-
-
 def parse_request(obj: dict, line: int) -> Row | RowError:
     """An OpenAI-batch request line: custom_id, method, url and body."""
     custom_id = obj.get("custom_id")
@@ -152,11 +130,15 @@ def parse_request(obj: dict, line: int) -> Row | RowError:
         return RowError(line, custom_id, "invalid_request",
                         f"unsupported request {method} {url}; batchspec serves POST {' and '.join(OPENAI_URLS)}")
     body = obj["body"]
+    input_key = "messages" if url == OPENAI_URLS[0] else "prompt"
+    problem = body_problem(body, input_key)
+    if problem:
+        return RowError(line, custom_id, "invalid_request", problem)
     try:
         options = request_options(body)
     except ValueError as e:
         return RowError(line, custom_id, "invalid_request", str(e))
-    if url == OPENAI_URLS[0]:
+    if input_key == "messages":
         problem = check_messages(body.get("messages"), "body.messages")
         if problem:
             return RowError(line, custom_id, "invalid_messages", problem)

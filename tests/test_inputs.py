@@ -114,16 +114,19 @@ def test_openai_batch_rows_with_per_row_options(tiny_pair, models, tmp_path):
         + request("long", {"model": "m", "messages": chat, "max_tokens": 10})
         + request("text", {"model": "m", "prompt": "the old house", "max_tokens": 5}, url="/v1/completions")
         + request("hot", {"model": "m", "messages": chat, "temperature": 1.0, "seed": 7, "max_tokens": 10})
+        + request("top1", {"model": "m", "messages": chat, "temperature": 1.0, "seed": 7, "max_tokens": 10, "top_k": 1})
         + request("bad", {"model": "m", "messages": chat, "max_tokens": -1})
+        + request("stop", {"model": "m", "messages": chat, "max_tokens": 10, "stop": "."})
         + request("embed", {"model": "m", "input": "x"}, url="/v1/embeddings")
     )
     out = tmp_path / "out.jsonl"
     result = run_cli(str(source), "--out", str(out), *models, "--output-format", "openai")
     assert result.returncode == 3, result.stderr
     by_id = {r["custom_id"]: r for r in records(out)}
-    assert set(by_id) == {"short", "long", "text", "hot"}
-    errors = {e["id"]: e["error"]["type"] for e in records(tmp_path / "out.errors.jsonl")}
-    assert errors == {"bad": "invalid_request", "embed": "invalid_request"}
+    assert set(by_id) == {"short", "long", "text", "hot", "top1"}
+    errors = {e["id"]: e["error"] for e in records(tmp_path / "out.errors.jsonl")}
+    assert {i: e["type"] for i, e in errors.items()} == dict.fromkeys(("bad", "stop", "embed"), "invalid_request")
+    assert errors["stop"]["message"].startswith("'stop' is not supported by batchspec yet")
 
     pair = load_pair(models[1], dtype="float32", device="cpu")
     ids = torch.tensor([list(pair.tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False))])
@@ -143,6 +146,7 @@ def test_openai_batch_rows_with_per_row_options(tiny_pair, models, tmp_path):
     assert "text" in by_id["text"]["response"]["body"]["choices"][0]
     hot = by_id["hot"]["response"]["body"]["batchspec"]["token_ids"]
     assert hot != full  # sampled at the row's own temperature, not greedy
+    assert by_id["top1"]["response"]["body"]["batchspec"]["token_ids"] == full  # its own top_k 1: the greedy tokens
     again = tmp_path / "again.jsonl"
     assert run_cli(str(source), "--out", str(again), *models, "--output-format", "openai").returncode == 3
     hot_again = {r["custom_id"]: r for r in records(again)}["hot"]["response"]["body"]["batchspec"]["token_ids"]
@@ -154,8 +158,9 @@ def test_rows_with_their_own_sampling_are_batched_apart():
         return Row(str(k), k, "p", {}, options=options), [1] * (10 - k)
 
     batches = list(cut([row(0), row(1, temperature=0.7), row(2), row(3, temperature=0.7, top_p=0.9),
-                        row(4, max_new_tokens=3)], batch_size=8, max_batch_tokens=None, max_new_tokens=5))
-    assert sorted(sorted(r.id for r in b.rows) for b in batches) == [["0", "2", "4"], ["1"], ["3"]]
+                        row(4, max_new_tokens=3), row(5, temperature=0.7, top_k=5), row(6, temperature=0.7, top_k=5)],
+                       batch_size=8, max_batch_tokens=None, max_new_tokens=5))
+    assert sorted(sorted(r.id for r in b.rows) for b in batches) == [["0", "2", "4"], ["1"], ["3"], ["5", "6"]]
 
 
 def test_keep_fields_and_output_loads_as_a_dataset(models, tmp_path):

@@ -1,0 +1,123 @@
+"""OpenAI-batch request bodies: every key is honored, accepted (it cannot change the output) or refused by name."""
+
+import re
+from pathlib import Path
+
+import orjson
+import pytest
+
+from batchspec.buckets import sampling_key
+from batchspec.request_body import HONORED_KEYS, NO_EFFECT_KEYS, UNHONORED
+from batchspec.sources import Fields, Row, RowError, parse_line
+
+CHAT_URL, TEXT_URL = "/v1/chat/completions", "/v1/completions"
+
+
+def parse(url=CHAT_URL, **body) -> Row | RowError:
+    given = {"messages": [{"role": "user", "content": "hi"}]} if url == CHAT_URL else {"prompt": "hi"}
+    line = orjson.dumps({"custom_id": "r", "method": "POST", "url": url, "body": {**given, **body}})
+    return parse_line(line, 1, Fields())
+
+
+def refusal(url=CHAT_URL, **body) -> str:
+    item = parse(url, **body)
+    assert isinstance(item, RowError) and item.type == "invalid_request" and item.id == "r"
+    return item.message
+
+
+ACCEPTED = [
+    {"model": "m", "user": "u", "metadata": {"k": "v"}, "store": True, "service_tier": "flex", "prompt_cache_key": "p",
+     "safety_identifier": "s", "stream_options": {"include_usage": True}, "parallel_tool_calls": True},
+    {"n": 1, "best_of": 1, "stop": None, "stop_token_ids": [], "logprobs": False, "top_logprobs": 0},
+    {"stop": [], "logprobs": None, "top_logprobs": None, "logit_bias": {}, "min_p": 0, "min_tokens": 0},
+    {"frequency_penalty": 0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": None},
+    {"ignore_eos": False, "skip_special_tokens": True, "include_stop_str_in_output": False, "use_beam_search": False},
+    {"response_format": {"type": "text"}, "stream": False, "echo": False, "suffix": None, "reasoning_effort": None},
+    {"tools": [], "tool_choice": "none", "functions": None, "function_call": "none", "documents": []},
+    {"tools": None, "tool_choice": None, "chat_template_kwargs": {}, "add_generation_prompt": True,
+     "continue_final_message": False, "modalities": ["text"], "audio": None},
+]
+
+
+@pytest.mark.parametrize("body", ACCEPTED)
+def test_keys_that_cannot_change_the_output_are_accepted(body):
+    assert isinstance(parse(**body), Row) and isinstance(parse(TEXT_URL, **body), Row)
+
+
+REFUSED = [  # valid values of keys batchspec does not honor yet
+    ("n", 2), ("best_of", 3), ("use_beam_search", True), ("stop", "."), ("stop", ""), ("stop", ["a", "b"]),
+    ("stop_token_ids", [2]), ("include_stop_str_in_output", True), ("ignore_eos", True), ("min_tokens", 3),
+    ("logprobs", True), ("logprobs", 0), ("top_logprobs", 5), ("frequency_penalty", 0.5), ("presence_penalty", -1),
+    ("repetition_penalty", 1.1), ("logit_bias", {"50256": -100}), ("min_p", 0.05), ("skip_special_tokens", False),
+    ("echo", True), ("suffix", ""), ("response_format", {"type": "json_object"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}), ("guided_json", {}),
+    ("guided_regex", "a+"), ("guided_choice", ["yes", "no"]), ("guided_grammar", "root ::= 'a'"),
+    ("structured_outputs", {"choice": ["a"]}), ("tools", [{"type": "function"}]), ("tool_choice", "auto"),
+    ("functions", [{"name": "f"}]), ("function_call", {"name": "f"}), ("chat_template", "{{ messages }}"),
+    ("chat_template_kwargs", {"enable_thinking": False}), ("add_generation_prompt", False),
+    ("continue_final_message", True), ("documents", [{"text": "d"}]), ("reasoning_effort", "low"), ("stream", True),
+    ("modalities", ["text", "audio"]), ("audio", {"voice": "alloy"}), ("prediction", {"type": "content"}),
+    ("web_search_options", {}),
+]
+
+
+@pytest.mark.parametrize("key, value", REFUSED)
+def test_keys_not_honored_yet_are_refused_by_name(key, value):
+    message = refusal(**{key: value})
+    assert message == (f"{key!r} is not supported by batchspec yet ({UNHONORED[key].feature}); "
+                       "remove it or set it to null")
+
+
+def test_every_unhonored_key_has_a_refused_value():
+    assert {key for key, _ in REFUSED} == set(UNHONORED)
+
+
+INVALID = [  # checked before support: a bad value is named as such
+    ("n", 0), ("n", "2"), ("n", True), ("best_of", 1.0), ("top_logprobs", 50), ("top_logprobs", -1),
+    ("logprobs", "yes"), ("logprobs", 21), ("stop", 5), ("stop", ["a", 1]), ("stop", ["a"] * 5),
+    ("frequency_penalty", 2.5), ("presence_penalty", -3), ("presence_penalty", False), ("logit_bias", [1]),
+    ("logit_bias", {"x": 1}), ("logit_bias", {"5": 101}), ("logit_bias", {"5": "1"}), ("min_p", 1.5),
+    ("repetition_penalty", 0), ("min_tokens", -1), ("stop_token_ids", [1, "2"]), ("stop_token_ids", 3),
+    ("response_format", {"type": "yaml"}), ("response_format", "json"), ("stream", "no"), ("tools", {}),
+    ("top_k", -2), ("top_k", 1.5), ("top_k", "5"),
+]
+
+
+@pytest.mark.parametrize("key, value", INVALID)
+def test_bad_values_name_their_key(key, value):
+    message = refusal(**{key: value})
+    assert re.match(f"'?{key}'? must be ", message), message
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"temprature": 0.5}, "unrecognized request argument 'temprature'"),
+    ({"prompt": "also"}, "unrecognized request argument 'prompt'"),  # a chat request's input is its messages
+    ({"max_new_tokens": 5, "Stop": "."}, "unrecognized request arguments 'Stop', 'max_new_tokens'"),
+    ({"topp": 0.5, "stop": ".", "n": 0, "temprature": 1, "response_format": {"type": "json_object"}},
+     ("unrecognized request arguments 'temprature', 'topp'; 'n' must be an integer >= 1; 'response_format', 'stop' "
+      "are not supported by batchspec yet (structured outputs, generation options); remove them or set them to null")),
+])
+def test_unknown_and_several_bad_keys_are_all_named_in_one_message(body, message):
+    assert refusal(**body) == message
+
+
+def test_a_completion_request_takes_no_messages():
+    assert refusal(TEXT_URL, messages=[]) == "unrecognized request argument 'messages'"
+
+
+def test_plain_rows_keep_other_fields_as_data():
+    item = parse_line(b'{"id": 1, "prompt": "x", "stop": ".", "temprature": 2, "n": 0}', 1, Fields())
+    assert isinstance(item, Row) and item.options == {} and item.fields["stop"] == "."
+
+
+def test_top_k_is_honored_per_row_and_batches_rows_apart():
+    assert [parse(top_k=k).options for k in (5, 0, -1, None)] == [{"top_k": 5}, {"top_k": 0}, {"top_k": 0}, {}]
+    keys = {sampling_key(parse(**body)) for body in ({"top_k": 5}, {"top_k": 40}, {"top_k": -1}, {})}
+    assert len(keys) == 4  # off (-1) differs from the run's own top_k (absent)
+
+
+def test_readme_names_every_body_key():
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text.split("## Input", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`([a-z_]+)`", section))
+    assert HONORED_KEYS | NO_EFFECT_KEYS | set(UNHONORED) | {"messages", "prompt"} <= named
