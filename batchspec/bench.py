@@ -1,52 +1,134 @@
-"""Side-by-side throughput: speculative vs our autoregressive baseline vs transformers' generate.
+"""Side-by-side throughput: speculative (fixed gammas and auto) vs our autoregressive baseline vs
+transformers' generate (and its assisted generation, which takes one row at a time).
 
-All three decode the same greedy batches in one process, interleaved and repeated, so the ratios
-hold even on a noisy machine. Tokens/s counts each row's own completion tokens.
+Every method decodes the same prompts, greedy, in batches of each batch size, in one process:
+a warm-up batch first (not timed), then `repeats` interleaved passes, the best counting. Each
+batchspec method keeps one gamma policy for the whole cell, as a job keeps one for its run, so
+auto is timed as it runs once it has measured its step costs. Tokens/s counts each row's own
+completion tokens.
 """
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from batchspec.buckets import make_encoder
 from batchspec.decoding import DecodeConfig, decode_batch
 from batchspec.decoding.engine import left_pad
+from batchspec.decoding.kv_cache import BatchKV
+from batchspec.decoding.policy import GammaPolicy
 from batchspec.defaults import default_draft, default_target
 from batchspec.errors import UsageError
 from batchspec.models import load_pair
 from batchspec.sources import Row, RowError, read_jsonl
 
+HF, ASSISTED, AR, AUTO = "hf generate", "hf assisted", "ar", "spec auto"
+
 
 @dataclass
-class BenchRow:
+class Cell:
+    """One method at one batch size, over all the prompts."""
+
     batch_size: int
-    tokens: int
-    spec_s: float
-    ar_s: float
-    hf_s: float
-    acceptance: float
+    method: str  # HF, ASSISTED, AR, AUTO or "spec gamma=N"
+    seconds: float = float("inf")  # best pass
+    outputs: list[list[int]] = field(default_factory=list)  # completion token ids per prompt
+    stats: list[dict] = field(default_factory=list)  # per-row stats (batchspec methods)
+    policy: GammaPolicy | None = None
+    ideal: float | None = None  # the speed-up over ar its alpha promises at bare forward costs
 
-    def cells(self) -> list[str]:
-        spec, ar, hf = (self.tokens / s for s in (self.spec_s, self.ar_s, self.hf_s))
-        return [
-            str(self.batch_size), f"{spec:.1f}", f"{ar:.1f}", f"{hf:.1f}",
-            f"{spec / ar:.2f}x", f"{spec / hf:.2f}x", f"{self.acceptance:.2f}",
-        ]
+    @property
+    def tokens(self) -> int:
+        return sum(len(ids) for ids in self.outputs)
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds
+
+    def total(self, key: str) -> int:
+        return sum(s[key] for s in self.stats)
+
+    @property
+    def alpha(self) -> float | None:
+        drafted = self.total("draft_tokens") if self.stats else 0
+        return self.total("accepted_tokens") / drafted if drafted else None
+
+    @property
+    def accepted_length(self) -> float | None:
+        steps = sum(sum(s["gamma_histogram"][1:]) for s in self.stats)
+        return self.total("accepted_tokens") / steps if steps else None
+
+    def gammas_used(self) -> str:
+        """Share of row-steps per gamma, e.g. "0:10% 3:90%"."""
+        counts = [sum(column) for column in zip(*(s["gamma_histogram"] for s in self.stats))]
+        steps = sum(counts)
+        return " ".join(f"{g}:{100 * c / steps:.0f}%" for g, c in enumerate(counts) if c) if steps else ""
 
 
-HEADER = ["batch", "spec tok/s", "ar tok/s", "hf generate tok/s", "spec/ar", "spec/hf", "acceptance"]
+@dataclass
+class ForwardCosts:
+    """Median seconds of bare forwards at one batch size: target[s - 1] over s new tokens, draft over 1."""
+
+    target: list[float]
+    draft: float
+
+    def ideal(self, alpha: float, gamma: int) -> float:
+        """Speed-up over plain steps if every step cost its forwards only: E(alpha, gamma) tokens
+        for one target forward over gamma + 1 tokens and gamma draft forwards."""
+        a = min(alpha, 1 - 1e-9)
+        return (1 - a ** (gamma + 1)) / (1 - a) * self.target[0] / (self.target[gamma] + gamma * self.draft)
 
 
-def hf_generate(model, prompts, max_new_tokens: int, eos_ids) -> None:
-    ids, mask = left_pad(prompts, model.device)
-    model.generate(
-        ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
-        eos_token_id=list(eos_ids) or None, pad_token_id=eos_ids[0] if eos_ids else 0,
-    )
+@torch.inference_mode()
+def forward_costs(pair, prompts: list[list[int]], gamma_max: int, repeats: int = 5) -> ForwardCosts:
+    """Time bare forwards with `prompts` (one batch) in the caches."""
+    ids, mask = left_pad(prompts, pair.target.device)
+
+    def median_forward(model, width: int) -> float:
+        kv = BatchKV(model, len(prompts), ids.device)
+        kv.forward(ids, mask, logits_to_keep=1)
+        new = ids[:, -1:].expand(-1, width)
+        seconds = []
+        for _ in range(repeats):
+            seconds.append(timed(lambda: kv.forward(new, torch.ones_like(new)))[0])
+            kv.rollback(torch.zeros_like(ids[:, 0]), width, 0)
+        return sorted(seconds)[repeats // 2]
+
+    return ForwardCosts([median_forward(pair.target, s) for s in range(1, gamma_max + 2)],
+                        median_forward(pair.draft, 1))
 
 
-def timed(fn) -> tuple[float, object]:
+def ideal_speedup(cell: Cell, costs: ForwardCosts) -> float | None:
+    """What the cell's measured alpha promises at its forward costs: for a fixed gamma, that
+    gamma's; for auto, the best of plain steps (1) and every gamma up to gamma_max."""
+    if cell.policy is None or cell.method == AR:
+        return None
+    if not cell.policy.auto:
+        return costs.ideal(cell.alpha, cell.policy.fixed) if cell.alpha is not None else None
+    alpha = cell.alpha or 0.0  # None: auto never speculated
+    return max([1.0] + [costs.ideal(alpha, g) for g in range(1, cell.policy.gamma_max + 1)])
+
+
+def hf_generate(pair, prompts: list[list[int]], max_new_tokens: int, assisted: bool) -> list[list[int]]:
+    """transformers' greedy generate (assisted: with the draft as assistant model, one row only);
+    completions cut after the first EOS id, as ours are."""
+    ids, mask = left_pad(prompts, pair.target.device)
+    eos = list(pair.eos_token_ids)
+    extra = {"assistant_model": pair.draft} if assisted else {}
+    out = pair.target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
+                               eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0, **extra)
+    completions = out[:, ids.shape[1] :].tolist()
+    return [row[: next((i + 1 for i, t in enumerate(row) if t in eos), len(row))] for row in completions]
+
+
+def assistable(pair) -> bool:
+    """transformers assists only with a draft of the target's vocabulary width (else it wants its
+    universal assisted decoding, for other tokenizers)."""
+    return len({m.config.get_text_config().vocab_size for m in (pair.target, pair.draft)}) == 1
+
+
+def timed(fn):
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -56,61 +138,103 @@ def timed(fn) -> tuple[float, object]:
     return time.perf_counter() - start, result
 
 
-def bench_batch(pair, prompts, *, gamma: int, max_new_tokens: int, repeats: int) -> BenchRow:
-    """Best of `repeats` interleaved runs of spec, ar and HF generate on one batch."""
-    eos = pair.eos_token_ids
-    config = DecodeConfig(max_new_tokens=max_new_tokens, eos_token_ids=eos, gamma=gamma)
-    ids = list(range(len(prompts)))
-    best = {"spec": float("inf"), "ar": float("inf"), "hf": float("inf")}
+def decode_all(pair, cell: Cell, prompts: list[list[int]], config: DecodeConfig) -> tuple[list, list]:
+    """Completions and row stats of every prompt, decoded by cell.method in batches of its size."""
+    outputs, stats = [], []
+    for start in range(0, len(prompts), cell.batch_size):
+        batch = prompts[start : start + cell.batch_size]
+        if cell.method in (HF, ASSISTED):
+            outputs += hf_generate(pair, batch, config.max_new_tokens, assisted=cell.method == ASSISTED)
+            continue
+        draft = None if cell.method == AR else pair.draft
+        result = decode_batch(pair.target, draft, batch, list(range(len(batch))), config, policy=cell.policy)
+        outputs += [r.token_ids for r in result.rows]
+        stats += [r.stats for r in result.rows]
+    return outputs, stats
+
+
+def bench_size(pair, prompts, batch_size: int, gammas: list[int], gamma_max: int, max_new_tokens: int,
+               repeats: int) -> list[Cell]:
+    """Every method at one batch size: a warm-up batch each, then interleaved timed passes."""
+    base = DecodeConfig(max_new_tokens=max_new_tokens, eos_token_ids=pair.eos_token_ids, gamma_max=gamma_max)
+    assisted = batch_size == 1 and assistable(pair)
+    configs = {HF: base, **({ASSISTED: base} if assisted else {}), AR: base,
+               **{f"spec gamma={g}": replace(base, gamma=g) for g in gammas}, AUTO: base}
+    cells = [Cell(batch_size, m, policy=None if m in (HF, ASSISTED) else c.policy()) for m, c in configs.items()]
+    costs = forward_costs(pair, prompts[:batch_size], max(gammas + [gamma_max]))
+    for cell in cells:
+        decode_all(pair, cell, prompts[:batch_size], configs[cell.method])  # warm-up; auto measures its costs
     for _ in range(repeats):
-        seconds, spec = timed(lambda: decode_batch(pair.target, pair.draft, prompts, ids, config))
-        best["spec"] = min(best["spec"], seconds)
-        seconds, ar = timed(lambda: decode_batch(pair.target, None, prompts, ids, config))
-        best["ar"] = min(best["ar"], seconds)
-        seconds, _ = timed(lambda: hf_generate(pair.target, prompts, max_new_tokens, eos))
-        best["hf"] = min(best["hf"], seconds)
-    tokens = sum(len(r.token_ids) for r in ar.rows)
-    proposed = sum(r.stats["draft_tokens"] for r in spec.rows)
-    accepted = sum(r.stats["accepted_tokens"] for r in spec.rows)
-    return BenchRow(len(prompts), tokens, best["spec"], best["ar"], best["hf"], accepted / max(proposed, 1))
+        for cell in cells:
+            seconds, (outputs, stats) = timed(lambda c=cell: decode_all(pair, c, prompts, configs[c.method]))
+            if seconds < cell.seconds:
+                cell.seconds, cell.outputs, cell.stats = seconds, outputs, stats
+    for cell in cells:
+        cell.ideal = ideal_speedup(cell, costs)
+    return cells
 
 
-def markdown_table(rows: list[BenchRow]) -> str:
-    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    lines += ["| " + " | ".join(r.cells()) + " |" for r in rows]
+def table(cells: list[Cell]) -> str:
+    header = ["batch", "method", "tok/s", "x ar", "x hf", "rows = ar", "alpha", "accepted/step", "gamma used",
+              "ideal x ar", "achieved/ideal"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for size in sorted({c.batch_size for c in cells}):
+        row_cells = [c for c in cells if c.batch_size == size]
+        ar, hf = (next(c for c in row_cells if c.method == m) for m in (AR, HF))
+        for c in row_cells:
+            speedup = c.rate / ar.rate
+            same = sum(a == b for a, b in zip(c.outputs, ar.outputs))
+            lines.append("| " + " | ".join([
+                str(size), c.method, f"{c.rate:.1f}", f"{speedup:.2f}", f"{c.rate / hf.rate:.2f}",
+                f"{same}/{len(ar.outputs)}", fmt(c.alpha), fmt(c.accepted_length), c.gammas_used(),
+                fmt(c.ideal), fmt(speedup / c.ideal if c.ideal else None),
+            ]) + " |")
     return "\n".join(lines)
 
 
-def run_bench(pair, prompts: list[list[int]], *, batch_sizes, gamma: int, max_new_tokens: int, repeats: int):
-    """One warm-up, then a BenchRow per batch size (batches cut from the front of `prompts`)."""
-    bench_batch(pair, prompts[:1], gamma=gamma, max_new_tokens=8, repeats=1)
-    return [
-        bench_batch(pair, prompts[:size], gamma=gamma, max_new_tokens=max_new_tokens, repeats=repeats)
-        for size in batch_sizes
-    ]
+def verdicts(cells: list[Cell]) -> str:
+    """Per batch size: the fastest method, and auto against ar and against the best fixed gamma."""
+    lines = []
+    for size in sorted({c.batch_size for c in cells}):
+        row_cells = [c for c in cells if c.batch_size == size]
+        rate = {c.method: c.rate for c in row_cells}
+        best = max(row_cells, key=lambda c: c.rate)
+        fixed = max((c for c in row_cells if c.method.startswith("spec gamma=")), key=lambda c: c.rate, default=None)
+        line = f"batch {size}: fastest {best.method} ({best.rate / rate[AR]:.2f}x ar); auto {rate[AUTO] / rate[AR]:.2f}x ar"
+        if fixed:
+            line += f", {rate[AUTO] / fixed.rate:.2f}x the best fixed ({fixed.method})"
+        lines.append(line)
+    return "\n".join(lines)
 
 
-def load_prompts(path: str, tokenizer, count: int) -> list[list[int]]:
-    """Token ids of the first good rows of a JSONL input (chat rows templated), cycled to `count`."""
+def fmt(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}"
+
+
+def load_prompts(path: str, tokenizer, count: int | None) -> list[list[int]]:
+    """Token ids of the good rows of a JSONL input (chat rows templated): the first `count`,
+    cycled if the file has fewer (None: all of them)."""
     rows = [item for item in read_jsonl(path) if isinstance(item, Row)]
-    if not rows:
-        raise UsageError(f"no usable rows in {path}")
     encoded = [ids for ids in make_encoder(tokenizer, context_length=None, max_new_tokens=0, truncate=None)(rows)
                if not isinstance(ids, RowError)]
-    return [encoded[i % len(encoded)] for i in range(count)]
+    if not encoded:
+        raise UsageError(f"no usable rows in {path}")
+    return [encoded[i % len(encoded)] for i in range(count or len(encoded))]
 
 
-def bench(*, target: str | None, draft: str | None, prompts: str, batch_sizes: list[int], gamma: int,
-          max_new_tokens: int, repeats: int, dtype: str, device: str) -> str:
-    """The markdown table of run_bench on a model pair (default: the embedded one)."""
+def bench(*, target: str | None, draft: str | None, prompts: str, rows: int | None, batch_sizes: list[int],
+          gammas: list[int], gamma_max: int, max_new_tokens: int, repeats: int, dtype: str, device: str) -> str:
+    """The markdown report of every method at every batch size on a model pair (default: the
+    embedded one)."""
     if target is None:
         target, draft = default_target(), draft or default_draft()
     if draft is None:
         raise UsageError("bench compares speculative decoding with the rest: give --draft with --target")
     pair = load_pair(target, draft, dtype=dtype, device=device)
-    token_ids = load_prompts(prompts, pair.tokenizer, max(batch_sizes))
-    rows = run_bench(pair, token_ids, batch_sizes=batch_sizes, gamma=gamma, max_new_tokens=max_new_tokens,
-                     repeats=repeats)
+    token_ids = load_prompts(prompts, pair.tokenizer, rows or max(batch_sizes))
+    cells = [cell for size in batch_sizes
+             for cell in bench_size(pair, token_ids, size, gammas, gamma_max, max_new_tokens, repeats)]
     where = f"{pair.target.device.type}, {str(pair.target.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads"
-    return (f"target {target}\ndraft  {draft}\n{where}; gamma {gamma}, max_new_tokens {max_new_tokens}, "
-            f"greedy, best of {repeats}\n\n{markdown_table(rows)}")
+    note = "" if assistable(pair) else "\n(no hf assisted: transformers refuses a draft of another vocabulary width)"
+    return (f"target {target}\ndraft  {draft}\n{where}; {len(token_ids)} prompts, max_new_tokens {max_new_tokens}, "
+            f"greedy, best of {repeats}\n\n{table(cells)}\n\n{verdicts(cells)}{note}")

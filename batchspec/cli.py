@@ -37,6 +37,21 @@ def load_config_file(ctx, param, path):
     return path
 
 
+class Gamma(click.ParamType):
+    """--gamma: "auto" or a whole number of draft proposals per step, 1..64."""
+
+    name = "auto|N"
+
+    def convert(self, value, param, ctx):
+        if value == "auto":
+            return value
+        return click.IntRange(1, 64).convert(value, param, ctx)
+
+
+GAMMA_HELP = ("Draft tokens proposed per step: auto chooses 0..--gamma-max before every step from the measured "
+              "acceptance and step costs; N fixes it.")
+
+
 def fail(message: str, error: BaseException, debug: bool, code: int) -> None:
     if debug:
         traceback.print_exception(error)
@@ -76,7 +91,8 @@ def main():
         "when the target is the default.")
 @option("--mode", type=click.Choice(["spec", "ar"]), default="spec",
         help="spec: draft proposes, target verifies. ar: the target alone.")
-@option("--gamma", type=click.IntRange(1, 64), default=5, help="Draft tokens proposed per step.")
+@option("--gamma", type=Gamma(), default="auto", help=GAMMA_HELP)
+@option("--gamma-max", type=click.IntRange(1, 64), default=8, help="The most draft tokens --gamma auto proposes.")
 @option("--max-new-tokens", type=click.IntRange(1), default=256, help="Most tokens generated per row.")
 @option("--temperature", type=click.FloatRange(0), default=None,
         help="0 = greedy. Default: the target's generation_config (greedy unless it samples).")
@@ -141,29 +157,43 @@ def run(input, debug, print_config, **options):
     sys.exit(guarded(lambda: job.run(config), debug))
 
 
+def int_list(text: str, name: str) -> list[int]:
+    """"1,4,8" -> [1, 4, 8], each at least 1."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint=name) from None
+    if min(values) < 1:
+        raise click.BadParameter(f"every value must be at least 1, got {text!r}", param_hint=name)
+    return values
+
+
 @main.command()
 @option("--target", default=None, help="Target model. Default: the embedded SmolLM2-135M-Instruct.")
 @option("--draft", default=None, help="Draft model. Default: the embedded draft.")
 @option("--prompts", type=click.Path(exists=True, dir_okay=False), default="sample_data/prompts.jsonl",
-        help="JSONL rows to take prompts from (cycled to fill the largest batch).")
+        help="JSONL rows to take prompts from.")
+@option("--rows", type=click.IntRange(1), default=None,
+        help="Prompts decoded by every method at every batch size (cycled from the file). Default: the largest "
+        "batch size.")
 @option("--batch-sizes", default="1,4,8", help="Comma-separated batch sizes.")
-@option("--gamma", type=click.IntRange(1, 64), default=5, help="Draft tokens proposed per step.")
+@option("--gammas", default="1,3,5,8", help="Comma-separated fixed gammas, run beside --gamma auto.")
+@option("--gamma-max", type=click.IntRange(1, 64), default=8, help="The most draft tokens auto proposes.")
 @option("--max-new-tokens", type=click.IntRange(1), default=64, help="Most tokens generated per row.")
-@option("--repeats", type=click.IntRange(1), default=3, help="Interleaved repeats; the best time counts.")
+@option("--repeats", type=click.IntRange(1), default=2, help="Interleaved timed passes; the best counts.")
 @option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", help="Model dtype.")
 @option("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
 @option("--debug", is_flag=True, default=False, help="Show tracebacks.")
-def bench(debug, batch_sizes, **options):
-    """Greedy tokens/s of spec vs ar vs transformers' generate, side by side in one process."""
+def bench(debug, batch_sizes, gammas, **options):
+    """Greedy tokens/s of spec (fixed gammas and auto) vs ar vs transformers' generate and assisted
+    generation, side by side in one process, with acceptance, the gammas auto chose and the
+    speed-up the measured acceptance and step costs promise."""
     from batchspec.bench import bench as run_bench
 
-    try:
-        sizes = [int(size) for size in batch_sizes.split(",")]
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers, got {batch_sizes!r}", param_hint="--batch-sizes")
+    sizes, fixed = int_list(batch_sizes, "--batch-sizes"), int_list(gammas, "--gammas")
 
     def job():
-        click.echo(run_bench(batch_sizes=sizes, **options))
+        click.echo(run_bench(batch_sizes=sizes, gammas=fixed, **options))
         return 0
 
     sys.exit(guarded(job, debug))

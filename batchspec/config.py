@@ -9,7 +9,7 @@ from pathlib import Path
 import orjson
 
 FINGERPRINT_FIELDS = (
-    "target", "draft", "mode", "gamma", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "dtype",
+    "target", "draft", "mode", "gamma", "gamma_max", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "dtype",
     "split", "subset", "prompt_field", "id_field", "messages_field", "chat", "system", "truncate", "token_ids",
     "output_format", "keep_fields", "keep_all_fields", "num_shards", "shard_index",
 )  # what changes the records (or which rows a shard holds); batch size, window and device only change the speed
@@ -22,7 +22,8 @@ class RunConfig:
     target: str | None = None  # None: the embedded default pair
     draft: str | None = None
     mode: str = "spec"  # "spec" or "ar"
-    gamma: int = 5
+    gamma: int | str = "auto"  # draft proposals per step, or "auto": chosen each step, 0..gamma_max
+    gamma_max: int = 8
     max_new_tokens: int = 256
     temperature: float | None = None  # None: from the target's generation_config
     top_k: int | None = None

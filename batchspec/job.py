@@ -15,6 +15,7 @@ from batchspec.buckets import Batch, make_encoder, plan
 from batchspec.config import RunConfig
 from batchspec.decoding import DecodeConfig, resolve_sampling
 from batchspec.decoding.engine import BatchDecoder
+from batchspec.decoding.policy import GammaPolicy
 from batchspec.defaults import default_draft, default_target
 from batchspec.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_ROW_ERRORS, StopSignals, UsageError, say
 from batchspec.models import context_length, load_config, load_pair, load_tokenizer
@@ -37,9 +38,11 @@ def check_options(cfg: RunConfig) -> None:
         raise UsageError(f"--mode must be spec or ar, got {cfg.mode!r}")
     if cfg.mode == "spec" and not cfg.draft and not cfg.dry_run:
         raise UsageError("--mode spec needs a --draft model (or use --mode ar)")
-    for name in ("gamma", "max_new_tokens", "batch_size", "window"):
+    for name in ("gamma_max", "max_new_tokens", "batch_size", "window"):
         if getattr(cfg, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+    if cfg.gamma != "auto" and not (isinstance(cfg.gamma, int) and 1 <= cfg.gamma):
+        raise UsageError(f"--gamma must be auto or a whole number >= 1, got {cfg.gamma!r}")
 
 
 def shard_items(cfg: RunConfig):
@@ -52,16 +55,17 @@ def encoder(cfg: RunConfig, tokenizer, context: int | None):
                         chat=cfg.chat, system=cfg.system)
 
 
-def decode(pair, batch: Batch, config: DecodeConfig, stop: StopSignals):
+def decode(pair, batch: Batch, config: DecodeConfig, policy: GammaPolicy, stop: StopSignals):
     """One batch through the decoder, with its rows' own options (OpenAI-batch requests): their
-    temperature/top_p/top_k (shared within a batch), max_new_tokens and seed. None when a stop
-    signal came first."""
+    temperature/top_p/top_k (shared within a batch), max_new_tokens and seed. The gamma policy is
+    the run's: what it measured carries over from batch to batch. None when a stop signal came
+    first."""
     options = batch.rows[0].options
     sampling = replace(config.sampling, **{k: options[k] for k in ("temperature", "top_p", "top_k") if k in options})
     limits = [r.options.get("max_new_tokens", config.max_new_tokens) for r in batch.rows]
     seeds = [r.options.get("seed", config.seed) for r in batch.rows]
     decoder = BatchDecoder(pair.target, pair.draft, batch.prompts, [r.id for r in batch.rows],
-                           replace(config, sampling=sampling), max_new_tokens=limits, seeds=seeds)
+                           replace(config, sampling=sampling), max_new_tokens=limits, seeds=seeds, policy=policy)
     while not decoder.done:
         if stop.received:
             return None
@@ -105,7 +109,8 @@ def run_locked(cfg: RunConfig, paths: OutputPaths, sink: Sink, stop: StopSignals
     sampling = resolve_sampling(pair.target.generation_config, temperature=cfg.temperature, top_k=cfg.top_k,
                                 top_p=cfg.top_p)
     config = DecodeConfig(max_new_tokens=cfg.max_new_tokens, eos_token_ids=pair.eos_token_ids, sampling=sampling,
-                          gamma=cfg.gamma, seed=cfg.seed)
+                          gamma=None if cfg.gamma == "auto" else cfg.gamma, gamma_max=cfg.gamma_max, seed=cfg.seed)
+    policy = config.policy()
     encode = encoder(cfg, pair.tokenizer, pair.context_length)
     stats = RunStats()
     bar = progress_bar(input_size(cfg.input, cfg.split, cfg.subset), cfg.progress)
@@ -127,7 +132,7 @@ def run_locked(cfg: RunConfig, paths: OutputPaths, sink: Sink, stop: StopSignals
             stats.rows_error += 1
             bar.update(1)
             continue
-        output = decode(pair, item, config, stop)
+        output = decode(pair, item, config, policy, stop)
         if output is None:
             interrupted = True
             break

@@ -28,6 +28,7 @@ class RunStats:
     cache_slots: int = 0
     batches: int = 0
     histogram: list[int] = field(default_factory=list)  # accepted lengths 0..gamma, all rows
+    gammas: list[int] = field(default_factory=list)  # row-steps per gamma used (0: plain steps)
     started: float = field(default_factory=time.monotonic)
 
     def add_batch(self, batch, output) -> None:
@@ -45,8 +46,8 @@ class RunStats:
             self.completion_tokens += s["completion_tokens"]
             self.draft_tokens += s["draft_tokens"]
             self.accepted_tokens += s["accepted_tokens"]
-            hist = s["accepted_length_histogram"]
-            self.histogram = [a + b for a, b in zip(self.histogram, hist)] if self.histogram else list(hist)
+            self.histogram = add_up(self.histogram, s["accepted_length_histogram"])
+            self.gammas = add_up(self.gammas, s["gamma_histogram"])
 
     @property
     def seconds(self) -> float:
@@ -76,6 +77,13 @@ class RunStats:
             "accepted_tokens": self.accepted_tokens,
             "acceptance_rate": self.acceptance_rate,
             "accepted_length_histogram": self.histogram,
+            "gamma_histogram": self.gammas,
             "padding_fraction": self.pad_slots / self.prompt_slots if self.prompt_slots else 0.0,
             "wasted_cache_fraction": self.empty_cache_slots / self.cache_slots if self.cache_slots else 0.0,
         }
+
+
+def add_up(total: list[int], more: list[int]) -> list[int]:
+    """Element-wise sum of two histograms, the shorter one padded with zeros."""
+    longer, shorter = (total, more) if len(total) >= len(more) else (more, total)
+    return [a + (shorter[i] if i < len(shorter) else 0) for i, a in enumerate(longer)]

@@ -9,12 +9,29 @@ PLAIN_PROMPTS = Path(__file__).resolve().parents[1] / "sample_data" / "plain_pro
 
 def test_bench_table(tiny_pair):
     target, draft = tiny_pair("llama")
-    table = bench(target=str(target), draft=str(draft), prompts=str(PLAIN_PROMPTS),
-                  batch_sizes=[1, 3], gamma=3, max_new_tokens=8, repeats=1, dtype="float32", device="cpu")
-    lines = table.splitlines()
-    assert "| batch | spec tok/s | ar tok/s | hf generate tok/s | spec/ar | spec/hf | acceptance |" in lines
-    rows = [line.split("|")[1:-1] for line in lines if line.startswith("| ") and not line.startswith("| batch")]
-    assert [r[0].strip() for r in rows] == ["1", "3"]
+    report = bench(target=str(target), draft=str(draft), prompts=str(PLAIN_PROMPTS), rows=3, batch_sizes=[1, 3],
+                   gammas=[2], gamma_max=3, max_new_tokens=8, repeats=1, dtype="float32", device="cpu")
+    lines = report.splitlines()
+    assert "3 prompts" in lines[2]
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines
+            if line.startswith("| ") and not line.startswith("| batch")]
+    assert [r[:2] for r in rows] == [
+        ["1", "hf generate"], ["1", "hf assisted"], ["1", "ar"], ["1", "spec gamma=2"], ["1", "spec auto"],
+        ["3", "hf generate"], ["3", "ar"], ["3", "spec gamma=2"], ["3", "spec auto"],
+    ]  # assisted generation takes one row at a time
     for r in rows:
-        assert all(float(cell.strip().rstrip("x")) > 0 for cell in r[1:6])
-        assert 0 <= float(r[6]) <= 1
+        assert all(float(cell) > 0 for cell in r[2:5])  # tok/s, x ar, x hf
+        assert r[5] == "3/3"  # greedy float32: every method's completions equal ar's
+        if r[1].startswith("spec"):
+            alpha, accepted, used, ideal, achieved = r[6:]
+            shares = dict(part.split(":") for part in used.split())
+            assert sum(int(share.rstrip("%")) for share in shares.values()) in (99, 100, 101)
+            assert r[1] == "spec auto" or shares == {"2": "100%"}
+            if shares != {"0": "100%"}:  # auto may have found plain steps faster throughout
+                assert 0 <= float(alpha) <= 1 and 0 <= float(accepted) <= 3 and float(ideal) > 0
+                assert float(achieved) > 0
+        else:
+            assert r[6:] == ["", "", "", "", ""]
+    verdicts = [line for line in lines if line.startswith("batch ")]
+    assert [v.split(":")[0] for v in verdicts] == ["batch 1", "batch 3"]
+    assert all("auto" in v and "best fixed (spec gamma=2)" in v for v in verdicts)

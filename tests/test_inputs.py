@@ -53,8 +53,9 @@ def dataset_folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def models(tiny_pair):
     target, draft = tiny_pair("llama")
-    return ["--target", str(target), "--draft", str(draft), "--max-new-tokens", "12", "--no-progress",
-            "--token-ids"]
+    # a fixed gamma: under --gamma auto the gamma sequence, and with it which sample a row draws, follows timing
+    return ["--target", str(target), "--draft", str(draft), "--gamma", "3", "--max-new-tokens", "12",
+            "--no-progress", "--token-ids"]
 
 
 def records(path) -> list[dict]:

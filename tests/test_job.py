@@ -52,8 +52,9 @@ def write_input(path, rows: int = ROWS, seed: int = 0):
 def setup(tiny_pair, tmp_path_factory):
     root = tmp_path_factory.mktemp("job")
     target, draft = tiny_pair("llama")
-    models = ["--target", str(target), "--draft", str(draft), "--max-new-tokens", "24", "--batch-size", "2",
-              "--no-progress", "--token-ids"]
+    # a fixed gamma: --gamma auto chooses by timing, so its per-row statistics differ run to run
+    models = ["--target", str(target), "--draft", str(draft), "--gamma", "3", "--max-new-tokens", "24",
+              "--batch-size", "2", "--no-progress", "--token-ids"]
     source = write_input(root / "in.jsonl")
     reference = root / "reference.jsonl"
     result = run_cli(str(source), "--out", str(reference), *models)
@@ -214,6 +215,7 @@ def test_options_from_environment_and_clean_stdout(setup, tmp_path):
     (["--mode", "spec"], "needs a --draft"),
     (["--draft", "/nonexistent/model"], "cannot load"),
     (["--gamma", "0"], "--gamma"),
+    (["--gamma", "fast"], "--gamma"),
 ])
 def test_usage_errors_exit_2_without_traceback(setup, tmp_path, args, message):
     result = run_cli(str(setup["input"]), "--out", str(tmp_path / "o.jsonl"), "--target", str(setup["target"]),

@@ -38,5 +38,7 @@ def test_quickstart_run_command_as_written(tmp_path):
     assert len(records) == len(source_rows)
     assert all(r["completion"].strip() for r in records)
     summary = orjson.loads(out.with_name("out.summary.json").read_bytes())
-    assert summary["finished"] and summary["acceptance_rate"] > 0  # the draft proposes what the target sometimes keeps
+    assert summary["finished"] and sum(summary["gamma_histogram"]) > 0  # the speculative loop ran, gamma auto
+    if summary["draft_tokens"]:  # auto speculated (whether it pays depends on this machine's step costs)
+        assert summary["acceptance_rate"] > 0  # the draft proposes what the target sometimes keeps
     assert "tok/s" in result.stderr and "acceptance" in result.stderr

@@ -16,6 +16,8 @@ from batchspec.decoding import DecodeConfig, SamplingParams, decode_batch
 from batchspec.models import load_pair
 from batchspec.tiny import perturbed
 
+from policies import Scripted
+
 VOCAB, SAMPLES, NEW_TOKENS, ALPHA = 12, 6000, 4, 1e-3
 PROMPT = [1, 5, 7, 2, 9]
 SETTINGS = {
@@ -83,18 +85,20 @@ def target_samples(models):
     return samples
 
 
-def our_samples(target, draft, params, gamma=3, seed=0):
+def our_samples(target, draft, params, gamma=3, seed=0, policy=None):
     config = DecodeConfig(max_new_tokens=NEW_TOKENS, sampling=params, gamma=gamma, seed=seed)
-    out = decode_batch(target, draft, [PROMPT] * SAMPLES, list(range(SAMPLES)), config)
+    out = decode_batch(target, draft, [PROMPT] * SAMPLES, list(range(SAMPLES)), config, policy=policy)
     return out, [r.token_ids for r in out.rows]
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("mode", ["spec", "ar"])
+@pytest.mark.parametrize("mode", ["spec", "ar", "switching"])
 def test_sampling_matches_target(models, target_samples, setting, mode):
+    """switching: plain and speculative steps alternate inside each completion (gammas 0, 2, 0, 1)."""
     target, draft = models
-    out, ours = our_samples(target, draft if mode == "spec" else None, SETTINGS[setting])
-    if mode == "spec":  # the draft differs enough that the residual path is exercised a lot
+    policy = Scripted([0, 2, 0, 1], gamma_max=3) if mode == "switching" else None
+    out, ours = our_samples(target, draft if mode != "ar" else None, SETTINGS[setting], policy=policy)
+    if mode != "ar":  # the draft differs enough that the residual path is exercised a lot
         rates = [r.stats["acceptance_rate"] for r in out.rows]
         assert 0.3 < sum(rates) / len(rates) < 0.9
     p = p_values(ours, target_samples[setting])

@@ -38,7 +38,7 @@ def sharded(tiny_pair, tmp_path_factory):
     """One input run whole and as 3 shards."""
     root = tmp_path_factory.mktemp("shards")
     target, draft = tiny_pair("llama")
-    models = ["--target", str(target), "--draft", str(draft), "--max-new-tokens", "8", "--no-progress"]
+    models = ["--target", str(target), "--draft", str(draft), "--gamma", "3", "--max-new-tokens", "8", "--no-progress"]
     source = write_input(root / "in.jsonl", rows=40)
     whole = root / "whole.jsonl"
     assert run_cli(str(source), "--out", str(whole), *models).returncode == 3
@@ -62,7 +62,7 @@ def test_another_shard_count_refuses_to_resume(sharded, tiny_pair):
     root, source, _ = sharded
     target, draft = tiny_pair("llama")
     result = run_cli(str(source), "--out", str(root / "part-{shard}.jsonl"), "--target", str(target), "--draft",
-                     str(draft), "--max-new-tokens", "8", "--num-shards", "2", "--shard-index", "0")
+                     str(draft), "--gamma", "3", "--max-new-tokens", "8", "--num-shards", "2", "--shard-index", "0")
     assert result.returncode == 2 and "num_shards" in result.stderr  # its rows would belong to other shards
 
 

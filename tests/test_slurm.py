@@ -144,7 +144,8 @@ def slurm(tmp_path_factory):
 def job_setup(tiny_pair, root: Path, rows: int) -> tuple[Path, list[str], Path]:
     """An input, model options and the unsharded run of it (the reference) under root."""
     target, draft = tiny_pair("llama")
-    models = ["--target", str(target), "--draft", str(draft), "--max-new-tokens", "24", "--batch-size", "2"]
+    models = ["--target", str(target), "--draft", str(draft), "--gamma", "3", "--max-new-tokens", "24",
+              "--batch-size", "2"]
     (root / "logs").mkdir()
     source = write_input(root / "in.jsonl", rows=rows)
     whole = root / "whole.jsonl"

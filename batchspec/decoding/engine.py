@@ -1,25 +1,34 @@
-"""The batched decode loop: speculative (draft proposes, target verifies) or autoregressive.
+"""The batched decode loop: speculative (a drafter proposes, the target verifies) or autoregressive.
 
-Autoregressive decoding is the same loop with no draft and gamma = 0: the target scores one
-position per step and the "bonus" token is simply the next token. Both strategies therefore
-share the cache, positions, randomness and stopping rules.
+Autoregressive decoding is the same loop with no drafter: every step is a plain step (gamma 0),
+the target scores one position and the "bonus" token is simply the next token. Both strategies
+therefore share the cache, positions, randomness and stopping rules.
 
-Each step, for B live rows and G = gamma:
-  1. propose: the draft runs G forwards, drawing d_1..d_G (argmax, or from q).
-  2. verify:  the target scores [last, d_1..d_G] in ONE forward: logits [B, G+1, V].
-  3. accept:  each row keeps n in 0..G proposals plus one correction or bonus token.
-  4. emit:    stop inside the kept block at an EOS id or at max_new_tokens.
-  5. rollback: both caches are cut to the longest kept row, shorter rows get holes in the mask.
-  6. evict:   finished rows leave the batch and both caches; compact when holes pile up.
+Each step, for B live rows:
+  1. choose:  the policy picks gamma = G for this step (fixed, or auto: 0..gamma_max).
+  2. propose: the drafter proposes d_1..d_G per row (nothing when G = 0).
+  3. verify:  the target scores [last, d_1..d_G] in ONE forward: logits [B, G+1, V].
+  4. accept:  each row keeps n in 0..G proposals plus one correction or bonus token.
+  5. emit:    stop inside the kept block at an EOS id or at max_new_tokens.
+  6. rollback: the target cache is cut to the longest kept row, shorter rows get holes in the
+              mask; the drafter cuts its own state.
+  7. evict:   finished rows leave the batch and the caches; compact when holes pile up.
+
+The step reads the device once (one host sync): accepted lengths, the emitted tokens, which rows
+finished, and what the policy and the caches need. Each row's tokens and statistics are kept on
+the host from there (Tally), so a finished row leaves without another read.
 """
 
 import hashlib
+import time
 from dataclasses import dataclass, field, fields
 
 import torch
 
+from batchspec.decoding.drafters import ModelDrafter
 from batchspec.decoding.kv_cache import BatchKV
-from batchspec.decoding.sampling import SamplingParams, accept_greedy, accept_sampled, probabilities, sample
+from batchspec.decoding.policy import ROW_DECAY, GammaPolicy, expected_tokens, row_alpha
+from batchspec.decoding.sampling import SamplingParams, accept_greedy, accept_sampled, probabilities
 
 DRAFT, ACCEPT, NEXT = 0, 1, 2  # uniform streams: draft draws, accept tests, correction/bonus draws
 
@@ -29,15 +38,22 @@ class DecodeConfig:
     max_new_tokens: int
     eos_token_ids: tuple[int, ...] = ()
     sampling: SamplingParams = SamplingParams()
-    gamma: int = 5  # draft proposals per step; unused without a draft
+    gamma: int | None = None  # draft proposals per step; None: auto (0..gamma_max, chosen each step)
+    gamma_max: int = 8  # the most proposals auto may choose
     seed: int = 0
     compact_at: float = 0.3  # compact the caches when this fraction of slots are pads or holes
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.gamma < 1:
-            raise ValueError(f"gamma must be >= 1, got {self.gamma}")
+        if self.gamma is not None and self.gamma < 1:
+            raise ValueError(f"gamma must be >= 1 (or None: auto), got {self.gamma}")
+        if self.gamma_max < 1:
+            raise ValueError(f"gamma_max must be >= 1, got {self.gamma_max}")
+
+    def policy(self) -> GammaPolicy:
+        """A fresh gamma policy for these settings (a job shares one across its batches)."""
+        return GammaPolicy(self.gamma or self.gamma_max, fixed=self.gamma)
 
 
 @dataclass
@@ -61,30 +77,68 @@ def row_seed(seed: int, row_id) -> int:
 
 @dataclass
 class Rows:
-    """Per-row state of the live rows; every tensor has the batch as dim 0."""
+    """Per-row device state of the live rows; every tensor has the batch as dim 0."""
 
-    index: torch.Tensor  # [B] position of the row in the caller's prompt list
-    last: torch.Tensor  # [B] newest token, not yet in either cache
-    pending: torch.Tensor  # [B] the draft's last proposal, not yet in the draft cache
-    has_pending: torch.Tensor  # [B] long 0/1: pending must go into the draft cache first
+    last: torch.Tensor  # [B] newest token, not yet in any cache
     produced: torch.Tensor  # [B] tokens generated so far
     limit: torch.Tensor  # [B] the row's max_new_tokens
-    out: torch.Tensor  # [B, W] generated tokens (W = max limit + G + 1, tail is scratch)
-    uniforms: torch.Tensor  # [B, W, 3] per-row uniforms by output position and stream
-    counts: torch.Tensor  # [B, 4] target_forwards, draft_forwards, verify_steps, accepted_tokens
-    histogram: torch.Tensor  # [B, G+1] how often each accepted length occurred
-    any_pending: bool = field(default=False)
+    uniforms: torch.Tensor  # [B, W, 3] per-row uniforms by output position and stream (W = limit + G + 1)
+    seen: torch.Tensor  # [B, 2] decayed accepted and checked proposals (the row's alpha, auto)
 
     def select(self, keep: torch.Tensor) -> None:
         for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, torch.Tensor):
-                setattr(self, f.name, value[keep])
+            setattr(self, f.name, getattr(self, f.name)[keep])
 
     def uniform(self, stream: int, width: int) -> torch.Tensor:
         """[B, width]: uniforms for output positions produced .. produced + width - 1."""
         at = self.produced[:, None] + torch.arange(width, device=self.produced.device)  # [B, width]
         return self.uniforms[:, :, stream].gather(1, at)
+
+
+@dataclass
+class Tally:
+    """One live row's tokens and statistics, on the host, filled from each step's sync."""
+
+    index: int  # position of the row in the caller's prompt list
+    gamma_max: int
+    tokens: list[int] = field(default_factory=list)
+    target_forwards: int = 0
+    draft_forwards: int = 0
+    speculative_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    histogram: list[int] = field(init=False)  # accepted lengths 0..gamma_max (speculative steps)
+    gammas: list[int] = field(init=False)  # steps per gamma 0..gamma_max (0: plain steps)
+
+    def __post_init__(self):
+        self.histogram, self.gammas = [0] * (self.gamma_max + 1), [0] * (self.gamma_max + 1)
+
+    def add_step(self, gamma: int, n: int, draft_forwards: int, tokens: list[int]) -> None:
+        """A step with gamma proposals, n accepted, that appended `tokens` to the row."""
+        self.tokens += tokens
+        self.target_forwards += 1
+        self.gammas[gamma] += 1
+        if gamma:
+            self.draft_forwards += draft_forwards
+            self.speculative_steps += 1
+            self.drafted += gamma
+            self.accepted += n
+            self.histogram[n] += 1
+
+    def output(self, prompt_tokens: int, stopped: bool, speculative: bool) -> RowOutput:
+        stats = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": len(self.tokens),
+            "draft_tokens": self.drafted,
+            "accepted_tokens": self.accepted,
+            "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
+            "target_forwards": self.target_forwards,
+            "draft_forwards": self.draft_forwards,
+            "mean_accepted_length": self.accepted / self.speculative_steps if self.speculative_steps else None,
+            "accepted_length_histogram": self.histogram if speculative else [],
+            "gamma_histogram": self.gammas if speculative else [],
+        }
+        return RowOutput(self.tokens, "stop" if stopped else "length", stats)
 
 
 def left_pad(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,58 +152,20 @@ def left_pad(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tens
     return ids.to(device), mask.to(device)
 
 
-def fit_width(logits: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Draft logits [..., Vd] -> [..., vocab]: compare on the shared ids, never propose others."""
-    if logits.shape[-1] >= vocab:
-        return logits[..., :vocab]
-    pad = logits.new_full((*logits.shape[:-1], vocab - logits.shape[-1]), float("-inf"))
-    return torch.cat([logits, pad], dim=-1)
-
-
-def start_rows(row_ids, limits: list[int], seeds: list[int], config: DecodeConfig, gamma: int, device) -> Rows:
-    B, width = len(row_ids), max(limits) + gamma + 1
+def start_rows(row_ids, limits: list[int], seeds: list[int], config: DecodeConfig, gamma_max: int, device) -> Rows:
+    B, width = len(row_ids), max(limits) + gamma_max + 1
     if config.sampling.greedy:  # no randomness needed
         uniforms = torch.empty(B, 0, 3, dtype=torch.float64)
     else:
         generators = [torch.Generator().manual_seed(row_seed(seed, r)) for seed, r in zip(seeds, row_ids)]
         uniforms = torch.stack([torch.rand(width, 3, generator=g, dtype=torch.float64) for g in generators])
-
-    def zeros():
-        return torch.zeros(B, dtype=torch.long, device=device)
-
     return Rows(
-        index=torch.arange(B, device=device),
-        last=zeros(),
-        pending=zeros(),
-        has_pending=zeros(),
-        produced=zeros(),
+        last=torch.zeros(B, dtype=torch.long, device=device),
+        produced=torch.zeros(B, dtype=torch.long, device=device),
         limit=torch.tensor(limits, dtype=torch.long, device=device),
-        out=torch.zeros(B, width, dtype=torch.long, device=device),
         uniforms=uniforms.to(device),
-        counts=torch.zeros(B, 4, dtype=torch.long, device=device),
-        histogram=torch.zeros(B, gamma + 1, dtype=torch.long, device=device),
+        seen=torch.zeros(B, 2, device=device),
     )
-
-
-def propose(draft_kv: BatchKV, rows: Rows, gamma: int, params: SamplingParams, vocab: int):
-    """The draft's G proposals. Returns tokens [B, G] and q [B, G, V] (None when greedy)."""
-    ones = torch.ones_like(rows.last)[:, None]  # [B, 1]
-    ids, mask = rows.last[:, None], ones  # [B, 1]
-    if rows.any_pending:  # last step's fully accepted rows still owe the draft its last proposal
-        ids = torch.stack([rows.pending, rows.last], dim=1)  # [B, 2]
-        mask = torch.stack([rows.has_pending, rows.last.new_ones(rows.last.shape)], dim=1)
-    u = None if params.greedy else rows.uniform(DRAFT, gamma)  # [B, G]
-    tokens, qs = [], []
-    for i in range(gamma):
-        logits = fit_width(draft_kv.forward(ids, mask, logits_to_keep=1)[:, -1], vocab)  # [B, V]
-        if params.greedy:
-            x = logits.argmax(-1)
-        else:
-            qs.append(probabilities(logits, params))
-            x = sample(qs[-1], u[:, i])
-        tokens.append(x)
-        ids, mask = x[:, None], ones
-    return torch.stack(tokens, dim=1), (torch.stack(qs, dim=1) if qs else None)
 
 
 def verify(target_kv: BatchKV, rows: Rows, draft_tokens, q, params: SamplingParams):
@@ -165,45 +181,21 @@ def verify(target_kv: BatchKV, rows: Rows, draft_tokens, q, params: SamplingPara
 
 
 def emit(rows: Rows, draft_tokens, n, next_token, eos_ids):
-    """Append d_1..d_n, next_token to each row, cut at the first EOS id or at the row's limit.
+    """The block each row appends: d_1..d_n, next_token, cut at the first EOS id or at the row's limit.
 
-    Returns finished [B] bool and stopped [B] bool (finished on an EOS id).
+    Returns new [B, G+1] (a row's first count[b] are its tokens, the rest scratch), count [B],
+    finished [B] bool and stopped [B] bool (finished on an EOS id).
     """
     gamma = draft_tokens.shape[1]
     new = torch.cat([draft_tokens, next_token[:, None]], dim=1)  # [B, G+1]
     new.scatter_(1, n[:, None], next_token[:, None])  # d_1..d_n, next_token, then scratch
     slot = torch.arange(gamma + 1, device=n.device)  # [G+1]
-    count = n + 1  # [B]
-    remaining = rows.limit - rows.produced  # [B]
-    is_eos = torch.isin(new, eos_ids) & (slot[None, :] < torch.minimum(count, remaining)[:, None])
+    count = torch.minimum(n + 1, rows.limit - rows.produced)  # [B]
+    is_eos = torch.isin(new, eos_ids) & (slot[None, :] < count[:, None])
     stopped = is_eos.any(-1)
-    count = torch.where(stopped, is_eos.int().argmax(-1) + 1, torch.minimum(count, remaining))
-    rows.out.scatter_(1, rows.produced[:, None] + slot, new)
+    count = torch.where(stopped, is_eos.int().argmax(-1) + 1, count)
     rows.produced += count
-    return stopped | (rows.produced >= rows.limit), stopped
-
-
-def row_outputs(rows: Rows, done: torch.Tensor, stopped: list[bool], prompt_tokens: list[int], gamma: int):
-    """RowOutputs of the rows at `done` ([K] indices), with one device-to-host copy per tensor."""
-    produced = rows.produced[done].tolist()
-    out, counts, histogram = rows.out[done].tolist(), rows.counts[done].tolist(), rows.histogram[done].tolist()
-    outputs = []
-    for k in range(len(produced)):
-        target_forwards, draft_forwards, steps, accepted = counts[k]
-        proposed = steps * gamma
-        stats = {
-            "prompt_tokens": prompt_tokens[k],
-            "completion_tokens": produced[k],
-            "draft_tokens": proposed,
-            "accepted_tokens": accepted,
-            "acceptance_rate": accepted / proposed if proposed else None,
-            "target_forwards": target_forwards,
-            "draft_forwards": draft_forwards,
-            "mean_accepted_length": accepted / steps if steps and gamma else None,
-            "accepted_length_histogram": histogram[k] if gamma else [],
-        }
-        outputs.append(RowOutput(out[k][: produced[k]], "stop" if stopped[k] else "length", stats))
-    return outputs
+    return new, count, stopped | (rows.produced >= rows.limit), stopped
 
 
 class BatchDecoder:
@@ -211,14 +203,16 @@ class BatchDecoder:
 
     prompts: token ids per row, lengths may differ (each >= 1); row_ids: one id per row, which
     seeds its randomness with its seed (seeds, default: config.seed); max_new_tokens: a limit
-    per row (default: config.max_new_tokens).
+    per row (default: config.max_new_tokens); policy: the gamma policy, shared by the batches of
+    a run (default: a fresh one from config).
     Greedy output equals `target.generate(do_sample=False)` on each row alone; sampled output
     follows the target's own sampling distribution.
     """
 
     @torch.inference_mode()
     def __init__(self, target, draft, prompts: list[list[int]], row_ids: list, config: DecodeConfig,
-                 max_new_tokens: list[int] | None = None, seeds: list[int] | None = None):
+                 max_new_tokens: list[int] | None = None, seeds: list[int] | None = None,
+                 policy: GammaPolicy | None = None):
         limits = max_new_tokens or [config.max_new_tokens] * len(prompts)
         seeds = seeds or [config.seed] * len(prompts)
         if not prompts or not len(prompts) == len(row_ids) == len(limits) == len(seeds):
@@ -228,78 +222,104 @@ class BatchDecoder:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         self.config, self.prompts = config, prompts
-        self.gamma = config.gamma if draft is not None else 0
-        self.vocab = target.get_output_embeddings().weight.shape[0]
+        self.policy = policy or config.policy()
         device = target.device
         self.eos_ids = torch.tensor(config.eos_token_ids, dtype=torch.long, device=device)
         ids, mask = left_pad(prompts, device)  # [B, P]
-        self.caches = [BatchKV(m, len(prompts), device) for m in (target, draft) if m is not None]
-        self.rows = start_rows(row_ids, limits, seeds, config, self.gamma, device)
+        self.target_kv = BatchKV(target, len(prompts), device)
+        vocab = target.get_output_embeddings().weight.shape[0]
+        self.drafter = ModelDrafter(draft, ids, mask, vocab) if draft is not None else None
+        gamma_max = self.policy.gamma_max if self.drafter else 0
+        self.rows = start_rows(row_ids, limits, seeds, config, gamma_max, device)
         self.rows.last = ids[:, -1]  # the last prompt token is fed by the first step, like any newest token
+        self.tallies = [Tally(b, gamma_max) for b in range(len(prompts))]  # the live rows, in batch order
         if ids.shape[1] > 1:
-            for kv in self.caches:
-                kv.forward(ids[:, :-1], mask[:, :-1], logits_to_keep=1)
-            own_prefill = (mask.sum(-1) > 1).long()  # a 1-token prompt has nothing to prefill
-            self.rows.counts[:, : len(self.caches)] += own_prefill[:, None]
+            self.target_kv.forward(ids[:, :-1], mask[:, :-1], logits_to_keep=1)
+        for tally, prompt in zip(self.tallies, prompts):
+            tally.target_forwards = int(len(prompt) > 1)  # a 1-token prompt has nothing to prefill
+        self.expected: list[float] | None = None  # tokens the live rows should yield per gamma (auto)
         self.results: list[RowOutput | None] = [None] * len(prompts)
         self.totals = {"slots": 0, "empty_slots": 0, "verify_steps": 0, "compactions": 0}
         self.padding_fraction = 1.0 - float(mask.float().mean())
 
     @property
     def done(self) -> bool:
-        return self.rows.index.numel() == 0
+        return not self.tallies
 
     @torch.inference_mode()
     def step(self) -> None:
-        """One propose/verify/accept/emit/rollback/evict round over the live rows."""
-        rows, gamma, params = self.rows, self.gamma, self.config.sampling
-        target_kv = self.caches[0]
+        """One choose/propose/verify/accept/emit/rollback/evict round over the live rows."""
+        started = time.perf_counter()
+        rows, params, drafter, target_kv = self.rows, self.config.sampling, self.drafter, self.target_kv
+        B = len(self.tallies)
+        behind = drafter.behind if drafter else 0
+        gamma = self.policy.choose(B, self.expected) if drafter else 0
         if gamma:
-            draft_tokens, q = propose(self.caches[1], rows, gamma, params, self.vocab)
+            u = None if params.greedy else rows.uniform(DRAFT, gamma)  # [B, G]
+            draft_tokens, q = drafter.propose(rows.last, gamma, params, u)
         else:
-            draft_tokens, q = rows.last.new_zeros(rows.last.shape[0], 0), None
+            draft_tokens, q = rows.last.new_zeros(B, 0), None
         n, next_token = verify(target_kv, rows, draft_tokens, q, params)
         slots, empty_slots = target_kv.mask.numel(), (target_kv.mask == 0).sum()
         longest_row = (target_kv.mask.sum(-1) - (gamma - n)).max()  # valid slots after the rollback
-        rows.counts += torch.stack([torch.ones_like(n), torch.full_like(n, gamma), torch.ones_like(n), n], dim=1)
-        rows.histogram += torch.nn.functional.one_hot(n, gamma + 1)
-        finished, stopped = emit(rows, draft_tokens, n, next_token, self.eos_ids)
-        # the step's one host sync: what the rollback, the eviction and the compaction need
-        B = n.shape[0]
-        host = torch.cat([n, finished.long(), stopped.long(), torch.stack([empty_slots, longest_row])]).tolist()
-        max_n, finished_host, stopped_host = max(host[:B]), host[B : 2 * B], host[2 * B : 3 * B]
+        new, count, finished, stopped = emit(rows, draft_tokens, n, next_token, self.eos_ids)
+        expected = self.expected_tokens(n, gamma, finished) if drafter and self.policy.auto else n[:0]
+        # the step's one host sync: the rows' new tokens and what the rollback, the eviction, the
+        # compaction and the policy need
+        sync = (n, count, finished, stopped, new.flatten(), torch.stack([empty_slots, longest_row]), expected)
+        host = torch.cat([t.double() for t in sync]).tolist()
+        n_host, count_host, finished_host, stopped_host = (host[i * B : (i + 1) * B] for i in range(4))
+        new_host = host[4 * B : 4 * B + B * (gamma + 1)]
+        empty_host, longest_host = host[4 * B + B * (gamma + 1) : 4 * B + B * (gamma + 1) + 2]
+        self.expected = host[4 * B + B * (gamma + 1) + 2 :] or None
         self.totals["slots"] += slots
-        self.totals["empty_slots"] += host[-2]
+        self.totals["empty_slots"] += int(empty_host)
         self.totals["verify_steps"] += 1
-        if gamma:
-            target_kv.rollback(n + 1, gamma + 1, max_n + 1)
-            self.caches[1].rollback((n + 1).clamp(max=gamma), gamma, min(max_n + 1, gamma))
-            rows.pending, rows.has_pending = draft_tokens[:, -1], (n == gamma).long()
-            rows.any_pending = max_n == gamma
+        draft_forwards = drafter.forwards(gamma) if drafter else 0
+        for b, tally in enumerate(self.tallies):
+            block = new_host[b * (gamma + 1) : b * (gamma + 1) + int(count_host[b])]
+            tally.add_step(gamma, int(n_host[b]), draft_forwards, [int(t) for t in block])
+        max_n = int(max(n_host))
+        checked = sum(min(k + 1, gamma) for k in n_host)
+        typical = self.totals["verify_steps"] > 1 and (gamma == 0 or behind <= 1)  # not the first, no catch-up
+        self.policy.observe(B, gamma, int(sum(n_host)), int(checked), time.perf_counter() - started if typical else None)
+        if drafter:
+            if gamma:
+                target_kv.rollback(n + 1, gamma + 1, max_n + 1)
+            drafter.verified(rows.last, draft_tokens, n, max_n)
         rows.last = next_token
         if any(finished_host):
-            self.evict(finished_host, stopped_host)
-        if not self.done and target_kv.length - host[-1] >= max(1, self.config.compact_at * target_kv.length):
-            for kv in self.caches:
-                kv.compact()
+            self.evict(finished, finished_host, stopped_host)
+        if not self.done and target_kv.length - longest_host >= max(1, self.config.compact_at * target_kv.length):
+            target_kv.compact(int(longest_host))
+            if drafter:
+                drafter.compact()
             self.totals["compactions"] += 1
 
-    def evict(self, finished: list[int], stopped: list[int]) -> None:
-        """Move finished rows (host lists of 0/1) into results and out of the batch and both caches."""
-        done = [b for b, f in enumerate(finished) if f]
-        keep = [b for b, f in enumerate(finished) if not f]
-        device = self.rows.index.device
-        indices = self.rows.index[done].tolist()
-        prompt_tokens = [len(self.prompts[i]) for i in indices]
-        outputs = row_outputs(
-            self.rows, torch.tensor(done, device=device), [stopped[b] for b in done], prompt_tokens, self.gamma
-        )
-        for i, output in zip(indices, outputs):
-            self.results[i] = output
-        keep_t = torch.tensor(keep, dtype=torch.long, device=device)
-        self.rows.select(keep_t)
-        for kv in self.caches:
-            kv.select(keep_t)
+    def expected_tokens(self, n: torch.Tensor, gamma: int, finished: torch.Tensor) -> torch.Tensor:
+        """[G+1]: tokens the rows still live after this step are expected to yield per gamma,
+        each at its own alpha (updated with this step's n [B]) and remaining limit."""
+        rows = self.rows
+        if gamma:
+            checked = (n + 1).clamp(max=gamma)
+            rows.seen = rows.seen * ROW_DECAY + torch.stack([n, checked], dim=1)
+        alpha = row_alpha(rows.seen, self.policy.alpha)  # [B]
+        per_row = expected_tokens(alpha, rows.limit - rows.produced, self.policy.gamma_max)  # [B, G+1]
+        return (per_row * ~finished[:, None]).sum(0)
+
+    def evict(self, finished: torch.Tensor, finished_host: list[float], stopped_host: list[float]) -> None:
+        """Move finished rows (finished [B] bool, and its host copy) into results and out of the
+        batch and the caches."""
+        for tally, done, stopped in zip(self.tallies, finished_host, stopped_host):
+            if done:
+                prompt = self.prompts[tally.index]
+                self.results[tally.index] = tally.output(len(prompt), bool(stopped), self.drafter is not None)
+        self.tallies = [tally for tally, done in zip(self.tallies, finished_host) if not done]
+        keep = torch.argsort(finished.to(torch.uint8), stable=True)[: len(self.tallies)]  # live rows, in order
+        self.rows.select(keep)
+        self.target_kv.select(keep)
+        if self.drafter:
+            self.drafter.select(keep)
 
     def run(self) -> BatchOutput:
         while not self.done:
@@ -319,6 +339,7 @@ class BatchDecoder:
 
 
 def decode_batch(target, draft, prompts: list[list[int]], row_ids: list, config: DecodeConfig,
-                 max_new_tokens: list[int] | None = None, seeds: list[int] | None = None) -> BatchOutput:
+                 max_new_tokens: list[int] | None = None, seeds: list[int] | None = None,
+                 policy: GammaPolicy | None = None) -> BatchOutput:
     """Decode one static batch; see BatchDecoder."""
-    return BatchDecoder(target, draft, prompts, row_ids, config, max_new_tokens, seeds).run()
+    return BatchDecoder(target, draft, prompts, row_ids, config, max_new_tokens, seeds, policy).run()

@@ -4,13 +4,18 @@ The cache has one slot per column of `mask` ([B, L]); a 0 marks a left pad or a 
 rollback. Positions are always `cumsum(mask) - 1`, so pads and holes are skipped and each row
 sees exactly its own tokens at their true positions, whatever its batch mates did.
 
-Sliding-window attention (Mistral, Gemma 2/3, gpt-oss, ...) counts its window in true positions
-too: such models get 4D masks built here, since the library's own count slots (pads and holes
-included), and every layer keeps its whole past so that rollback and compaction stay possible.
+Every model gets its 4D attention masks built here, in true positions: sliding-window attention
+(Mistral, Gemma 2/3, gpt-oss, ...) counts its window in them, where the library's own masks
+would count slots (pads and holes included), and a 4D mask is taken as given, where building one
+from a 2D mask reads the mask back to the host (a sync per forward). ALiBi models (BLOOM, MPT,
+Falcon with alibi) get the 2D mask instead: their position biases are computed from it. Every
+layer keeps its whole past so that rollback and compaction stay possible.
 """
 
 import torch
 from transformers import DynamicCache
+
+ALIBI_MODELS = {"bloom", "mpt"}  # model types whose forward reads the 2D mask (as do configs with alibi=True)
 
 
 class BatchKV:
@@ -21,6 +26,7 @@ class BatchKV:
         self.window = getattr(text_config, "sliding_window", None)  # how far sliding layers look back
         self.layer_types = getattr(text_config, "layer_types", None)  # None: every layer slides
         self.cache = DynamicCache(config=model.config) if self.window is None else DynamicCache()
+        self.alibi = model.config.model_type in ALIBI_MODELS or getattr(model.config, "alibi", False) is True
         self.mask = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # [B, L]
 
     @property
@@ -39,7 +45,7 @@ class BatchKV:
         position_ids = (self.mask.cumsum(-1) - 1).clamp_(min=0)[:, -input_ids.shape[1] :]  # [B, S]
         out = self.model(
             input_ids=input_ids.clamp(max=self.last_id),
-            attention_mask=self.mask if self.window is None else self.window_masks(input_ids.shape[1]),
+            attention_mask=self.mask if self.alibi else self.attention_masks(input_ids.shape[1]),
             position_ids=position_ids,
             past_key_values=self.cache,
             use_cache=True,
@@ -47,25 +53,28 @@ class BatchKV:
         )
         return out.logits
 
-    def window_masks(self, S: int):
+    def attention_masks(self, S: int):
         """Masks [B, 1, S, L] for the last S slots: "full_attention" sees every earlier token of
-        the row, "sliding_attention" only those fewer than `window` positions back. A slot always
-        sees itself, so a pad's or a hole's (unused) query is never left empty. Boolean (True =
-        attend), or additive floats for eager attention, which adds its mask to the scores."""
+        the row, "sliding_attention" only those fewer than `window` positions back; one mask, or
+        one per layer type when the model mixes them. A slot always sees itself, so a pad's or a
+        hole's (unused) query is never left empty. Boolean (True = attend), or additive floats
+        for eager attention, which adds its mask to the scores."""
         slot = torch.arange(self.length, device=self.mask.device)  # [L]
         own = slot[None, :] == slot[-S:, None]  # [S, L]
         seen = self.mask.bool()[:, None, :] & (slot[None, :] <= slot[-S:, None])  # [B, S, L]
-        position = self.mask.cumsum(-1)  # [B, L]
-        near = position[:, None, :] > (position[:, -S:] - self.window)[:, :, None]  # [B, S, L]
-        masks = {"sliding_attention": seen & near | own}
-        if self.layer_types is not None:
+        masks = {}
+        if self.window is None or self.layer_types is not None:
             masks["full_attention"] = seen | own
+        if self.window is not None:
+            position = self.mask.cumsum(-1)  # [B, L]
+            near = position[:, None, :] > (position[:, -S:] - self.window)[:, :, None]  # [B, S, L]
+            masks["sliding_attention"] = seen & near | own
         if self.model.config._attn_implementation == "eager":
             low = torch.finfo(self.model.dtype).min
             masks = {k: torch.zeros(m.shape, dtype=self.model.dtype, device=m.device).masked_fill_(~m, low)
                      for k, m in masks.items()}
         masks = {k: m[:, None] for k, m in masks.items()}
-        return masks if self.layer_types is not None else masks["sliding_attention"]
+        return masks if len(masks) > 1 else next(iter(masks.values()))
 
     def rollback(self, keep: torch.Tensor, appended: int, max_keep: int) -> None:
         """Of the last `appended` slots, row b keeps its first keep[b] ([B]); max_keep = keep.max().
@@ -83,14 +92,16 @@ class BatchKV:
         self.cache.batch_select_indices(rows)
         self.mask = self.mask[rows]
 
-    def compact(self) -> None:
+    def compact(self, new_length: int | None = None) -> None:
         """Drop pads and holes: move each row's valid slots, in order, to the right end.
+        new_length: the longest row's valid slots, when the caller has it on the host (else read
+        here: a sync).
 
         Keys already carry their rotary positions and positions come from the mask, so moving
         slots changes no logits; attention then runs over fewer columns.
         """
         valid = self.mask.bool()  # [B, L]
-        new_length = int(valid.sum(-1).max())
+        new_length = int(valid.sum(-1).max()) if new_length is None else new_length
         order = torch.sort(valid.int(), dim=-1, stable=True).indices[:, self.length - new_length :]  # [B, L']
         self.mask = self.mask.gather(1, order)
         for layer in self.cache.layers:

@@ -1,0 +1,14 @@
+"""A gamma policy for tests: a scripted sequence of gammas, cycled, so that switches between plain
+steps (gamma 0) and speculative ones happen where a test wants them."""
+
+from batchspec.decoding.policy import GammaPolicy
+
+
+class Scripted(GammaPolicy):
+    def __init__(self, gammas: list[int], gamma_max: int):
+        super().__init__(gamma_max)
+        self.gammas, self.steps = gammas, 0
+
+    def choose(self, rows: int, expected) -> int:
+        self.steps += 1
+        return self.gammas[(self.steps - 1) % len(self.gammas)]

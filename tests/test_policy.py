@@ -1,0 +1,118 @@
+"""The gamma policy alone: synthetic acceptance and step costs, no models, no clocks."""
+
+import random
+
+import pytest
+import torch
+
+from batchspec.decoding.policy import PROBE_LAST, GammaPolicy, StepCosts, expected_tokens
+
+ROWS = 4
+
+
+def timed(policy: GammaPolicy, cost, gammas=None) -> None:
+    """Give the policy one timed step per gamma (all of them by default) at ROWS rows."""
+    for g in range(policy.gamma_max + 1) if gammas is None else gammas:
+        policy.costs.add(ROWS, g, cost(g))
+
+
+def by_formula(alpha: float, cost, gamma_max: int) -> int:
+    """argmax over gamma of E(alpha, gamma) / T(gamma), E = (1 - alpha^(gamma+1)) / (1 - alpha)."""
+    return max(range(gamma_max + 1), key=lambda g: (1 - alpha ** (g + 1)) / (1 - alpha) / cost(g))
+
+
+@pytest.mark.parametrize("alpha, base, per_draft", [
+    (0.9, 1.0, 0.05),  # cheap draft, good acceptance: a long gamma
+    (0.6, 1.0, 0.2),
+    (0.8, 1.0, 0.6),  # a draft as dear as half the target: short
+    (0.2, 1.0, 0.3),  # poor acceptance: plain steps
+])
+def test_choose_picks_what_the_formula_says(alpha, base, per_draft):
+    policy = GammaPolicy(gamma_max=8)
+    cost = lambda g: base + per_draft * g  # noqa: E731
+    timed(policy, cost)
+    expected = expected_tokens(torch.full((ROWS,), alpha), torch.full((ROWS,), 100), 8).sum(0).tolist()
+    assert policy.choose(ROWS, expected) == by_formula(alpha, cost, 8)
+
+
+def test_choose_weighs_each_rows_own_expectation():
+    """Two rows that accept everything and two that accept nothing: the sum of their E decides."""
+    policy = GammaPolicy(gamma_max=8)
+    timed(policy, lambda g: 1.0 + 0.1 * g)
+    alpha = torch.tensor([1.0, 1.0, 0.0, 0.0])
+    expected = expected_tokens(alpha, torch.full((4,), 100), 8).sum(0).tolist()
+    assert expected[:3] == pytest.approx([4, 6, 8], rel=1e-4)  # 2 rows x (gamma + 1) + 2 rows x 1
+    assert policy.choose(ROWS, expected) == 8  # (2 * 9 + 2) / 1.8 beats every shorter gamma
+
+
+def test_expected_tokens_never_exceed_what_a_row_may_still_generate():
+    alpha = torch.tensor([0.999999, 0.999999, 0.0, 0.5])
+    remaining = torch.tensor([100, 2, 100, 1])
+    e = expected_tokens(alpha, remaining, 4)  # [4, 5]
+    assert e[0].tolist() == pytest.approx([1, 2, 3, 4, 5], rel=1e-4)
+    assert e[1].tolist() == pytest.approx([1, 2, 2, 2, 2], rel=1e-4)  # two tokens left: gamma > 1 gains nothing
+    assert e[2].tolist() == pytest.approx([1] * 5)
+    assert e[3].tolist() == pytest.approx([1] * 5)
+
+
+def simulate(policy: GammaPolicy, alpha_of_step, cost, steps: int, seed: int = 0) -> list[int]:
+    """Run the policy on ROWS rows whose proposals are each accepted with probability
+    alpha_of_step(step) (until the first rejection); steps cost cost(gamma). Returns the gammas."""
+    rng = random.Random(seed)
+    chosen = []
+    for step in range(steps):
+        gamma = policy.choose(ROWS, None)
+        alpha = alpha_of_step(step)
+        accepted = checked = 0
+        for _ in range(ROWS):
+            n = 0
+            while n < gamma and rng.random() < alpha:
+                n += 1
+            accepted, checked = accepted + n, checked + min(n + 1, gamma)
+        policy.observe(ROWS, gamma, accepted, checked, cost(gamma))
+        chosen.append(gamma)
+    return chosen
+
+
+def test_a_useless_draft_settles_on_plain_steps():
+    chosen = simulate(GammaPolicy(gamma_max=8), lambda step: 0.02, lambda g: 1.0 + 0.3 * g, steps=3000)
+    late = chosen[1000:]
+    assert late.count(0) / len(late) > 0.98  # only the sparse probes speculate
+    probes = [i for i, g in enumerate(late) if g]
+    assert all(b - a >= PROBE_LAST // 2 for a, b in zip(probes, probes[1:]))  # and they grow rare
+
+
+def test_a_perfect_draft_grows_gamma_to_the_most():
+    chosen = simulate(GammaPolicy(gamma_max=8), lambda step: 1.0, lambda g: 1.0 + 0.05 * g, steps=200)
+    assert chosen[0] == 0  # a plain step is timed first
+    assert chosen[-50:] == [8] * 50
+    assert chosen.index(8) < 50
+
+
+def test_a_pair_that_starts_badly_switches_speculation_on_later():
+    """Acceptance 0 for 1500 steps (plain steps win), then 0.9: a probe must find out."""
+    switch = 1500
+    chosen = simulate(GammaPolicy(gamma_max=8), lambda step: 0.0 if step < switch else 0.9,
+                      lambda g: 1.0 + 0.1 * g, steps=switch + 2 * PROBE_LAST)
+    assert chosen[switch - 500 : switch].count(0) > 490
+    assert all(g >= 3 for g in chosen[-PROBE_LAST // 2 :])
+
+
+def test_a_fixed_gamma_is_always_chosen():
+    policy = GammaPolicy(gamma_max=5, fixed=5)
+    assert not policy.auto and simulate(policy, lambda step: 0.0, lambda g: 1.0 + g, steps=20) == [5] * 20
+    with pytest.raises(ValueError):
+        GammaPolicy(gamma_max=4, fixed=5)
+
+
+def test_step_costs_fill_in_gammas_and_batch_sizes_not_timed():
+    costs = StepCosts()
+    assert costs.estimates(4, 3) is None
+    costs.add(4, 0, 1.0)
+    costs.add(4, 2, 2.0)
+    assert costs.estimates(4, 4) == pytest.approx([1.0, 1.5, 2.0, 2.5, 3.0])  # between, and along the line
+    assert costs.estimates(5, 2) == pytest.approx([1.0, 1.5, 2.0])  # B 5 borrows the nearest B, 4
+    costs.add(16, 0, 4.0)  # one gamma timed at B 16: B 4's relative slope, 0.5 per proposal
+    assert costs.estimates(16, 2) == pytest.approx([4.0, 6.0, 8.0])
+    costs.add(4, 2, 4.0)  # a moving average: 2 + 0.2 * (4 - 2)
+    assert costs.estimates(4, 2)[2] == pytest.approx(2.4)

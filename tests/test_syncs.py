@@ -1,0 +1,67 @@
+"""One host sync per step: every step reads the device exactly once, whatever gamma it took,
+whichever rows it finished. Reads are counted where torch exposes them (tolist, item, bool, int,
+float, and the aten ops that read back a size or a scalar), so this holds on a CPU run as it
+would on a GPU, where each read stalls the launch queue."""
+
+import collections
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from batchspec.decoding import DecodeConfig, SamplingParams
+from batchspec.decoding.engine import BatchDecoder
+from batchspec.models import load_pair
+
+from policies import Scripted
+from test_greedy import random_prompts
+
+READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy"}
+READING_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_consecutive"}
+
+
+class FunctionReads(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in READS:
+            self.counts[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class OpReads(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if name in READING_OPS:
+            self.counts[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+@pytest.mark.parametrize("mode", ["auto", "switching", "ar"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_every_step_reads_the_device_once(tiny_pair, family, mode, temperature):
+    target, draft = tiny_pair(family, **({"window": 12} if family == "mistral" else {}))
+    pair = load_pair(str(target), str(draft), dtype="float32", device="cpu")
+    prompts = random_prompts(len(pair.tokenizer), [3, 17, 1, 9])
+    config = DecodeConfig(max_new_tokens=12, eos_token_ids=pair.eos_token_ids, gamma_max=4, compact_at=1.0,
+                          sampling=SamplingParams(temperature=temperature))
+    policy = Scripted([0, 3, 0, 0, 4, 1], gamma_max=4) if mode == "switching" else None
+    decoder = BatchDecoder(pair.target, pair.draft if mode != "ar" else None, prompts, list(range(4)), config,
+                           max_new_tokens=[12, 5, 9, 2], policy=policy)  # rows finish at different steps
+    steps = []
+    while not decoder.done:
+        with FunctionReads() as calls, OpReads() as ops:
+            decoder.step()
+        steps.append(calls.counts + ops.counts)
+    assert len(steps) >= 5 and all(reads == {"tolist": 1} for reads in steps), steps
+    timed = decoder.policy.costs.cells  # the steps were timed all the same: B -> gamma -> seconds
+    assert mode == "switching" or {0}.issubset(timed[4]) and set(timed) <= {1, 2, 3, 4}
