@@ -3,7 +3,7 @@ transformers' generate (and its assisted generation, which takes one row at a ti
 
 Every method decodes the same prompts, greedy, in batches of each batch size, in one process:
 a warm-up batch first (not timed), then `repeats` interleaved passes, the best counting. Each
-batchspec method keeps one gamma policy for the whole cell, as a job keeps one for its run, so
+speculative method keeps one gamma policy for the whole cell, as a job keeps one for its run, so
 auto is timed as it runs once it has measured its step costs. Tokens/s counts each row's own
 completion tokens.
 """
@@ -102,7 +102,7 @@ def forward_costs(pair, prompts: list[list[int]], gamma_max: int, repeats: int =
 def ideal_speedup(cell: Cell, costs: ForwardCosts) -> float | None:
     """What the cell's measured alpha promises at its forward costs: for a fixed gamma, that
     gamma's; for auto, the best of plain steps (1) and every gamma up to gamma_max."""
-    if cell.policy is None or cell.method == AR:
+    if cell.policy is None:
         return None
     if not cell.policy.auto:
         return costs.ideal(cell.alpha, cell.policy.fixed) if cell.alpha is not None else None
@@ -160,7 +160,7 @@ def bench_size(pair, prompts, batch_size: int, gammas: list[int], gamma_max: int
     assisted = batch_size == 1 and assistable(pair)
     configs = {HF: base, **({ASSISTED: base} if assisted else {}), AR: base,
                **{f"spec gamma={g}": replace(base, gamma=g) for g in gammas}, AUTO: base}
-    cells = [Cell(batch_size, m, policy=None if m in (HF, ASSISTED) else c.policy()) for m, c in configs.items()]
+    cells = [Cell(batch_size, m, policy=c.policy() if m.startswith("spec") else None) for m, c in configs.items()]
     costs = forward_costs(pair, prompts[:batch_size], max(gammas + [gamma_max]))
     for cell in cells:
         decode_all(pair, cell, prompts[:batch_size], configs[cell.method])  # warm-up; auto measures its costs

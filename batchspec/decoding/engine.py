@@ -198,6 +198,14 @@ def emit(rows: Rows, draft_tokens, n, next_token, eos_ids):
     return new, count, stopped | (rows.produced >= rows.limit), stopped
 
 
+def split(values: list, sizes: list[int]) -> list[list]:
+    """values cut into consecutive pieces of the given sizes."""
+    starts = [0]
+    for size in sizes:
+        starts.append(starts[-1] + size)
+    return [values[a:b] for a, b in zip(starts, starts[1:])]
+
+
 class BatchDecoder:
     """Decodes one static batch. target/draft: causal LMs on one device (draft None = autoregressive).
 
@@ -268,10 +276,9 @@ class BatchDecoder:
         # compaction and the policy need
         sync = (n, count, finished, stopped, new.flatten(), torch.stack([empty_slots, longest_row]), expected)
         host = torch.cat([t.double() for t in sync]).tolist()
-        n_host, count_host, finished_host, stopped_host = (host[i * B : (i + 1) * B] for i in range(4))
-        new_host = host[4 * B : 4 * B + B * (gamma + 1)]
-        empty_host, longest_host = host[4 * B + B * (gamma + 1) : 4 * B + B * (gamma + 1) + 2]
-        self.expected = host[4 * B + B * (gamma + 1) + 2 :] or None
+        n_host, count_host, finished_host, stopped_host, new_host, (empty_host, longest_host), expected_host = (
+            split(host, [t.numel() for t in sync]))
+        self.expected = expected_host or None
         self.totals["slots"] += slots
         self.totals["empty_slots"] += int(empty_host)
         self.totals["verify_steps"] += 1
@@ -280,10 +287,11 @@ class BatchDecoder:
             block = new_host[b * (gamma + 1) : b * (gamma + 1) + int(count_host[b])]
             tally.add_step(gamma, int(n_host[b]), draft_forwards, [int(t) for t in block])
         max_n = int(max(n_host))
-        checked = sum(min(k + 1, gamma) for k in n_host)
-        typical = self.totals["verify_steps"] > 1 and (gamma == 0 or behind <= 1)  # not the first, no catch-up
-        self.policy.observe(B, gamma, int(sum(n_host)), int(checked), time.perf_counter() - started if typical else None)
         if drafter:
+            checked = sum(min(k + 1, gamma) for k in n_host)
+            typical = self.totals["verify_steps"] > 1 and (gamma == 0 or behind <= 1)  # not the first, no catch-up
+            seconds = time.perf_counter() - started if typical else None
+            self.policy.observe(B, gamma, int(sum(n_host)), int(checked), seconds)
             if gamma:
                 target_kv.rollback(n + 1, gamma + 1, max_n + 1)
             drafter.verified(rows.last, draft_tokens, n, max_n)

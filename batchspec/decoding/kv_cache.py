@@ -100,6 +100,8 @@ class BatchKV:
         Keys already carry their rotary positions and positions come from the mask, so moving
         slots changes no logits; attention then runs over fewer columns.
         """
+        if not self.length:  # nothing cached yet (a draft that has not run)
+            return
         valid = self.mask.bool()  # [B, L]
         new_length = int(valid.sum(-1).max()) if new_length is None else new_length
         order = torch.sort(valid.int(), dim=-1, stable=True).indices[:, self.length - new_length :]  # [B, L']

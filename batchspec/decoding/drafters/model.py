@@ -76,5 +76,4 @@ class ModelDrafter:
         self.owed, self.owed_mask = self.owed[keep], self.owed_mask[keep]
 
     def compact(self) -> None:
-        if self.kv.length:  # else the draft has not run yet: nothing cached
-            self.kv.compact()
+        self.kv.compact()
