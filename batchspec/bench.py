@@ -1,5 +1,6 @@
-"""Side-by-side throughput: speculative (fixed gammas and auto) vs our autoregressive baseline vs
-transformers' generate (and its assisted generation, which takes one row at a time).
+"""Side-by-side throughput: speculative (the draft model at fixed gammas and auto, n-gram lookup,
+the hybrid of both) vs our autoregressive baseline vs transformers' generate (and its assisted
+generation and prompt lookup, which take one row at a time).
 
 Every method decodes the same prompts, greedy, in batches of each batch size, in one process:
 a warm-up batch first (not timed), then `repeats` interleaved passes, the best counting. Each
@@ -23,7 +24,9 @@ from batchspec.errors import UsageError
 from batchspec.models import load_pair
 from batchspec.sources import Row, RowError, read_jsonl
 
-HF, ASSISTED, AR, AUTO = "hf generate", "hf assisted", "ar", "spec auto"
+HF, ASSISTED, LOOKUP, AR, AUTO = "hf generate", "hf assisted", "hf prompt lookup", "ar", "spec auto"
+NGRAM, HYBRID = "ngram auto", "hybrid auto"
+DRAFTERS = {"model": AUTO, "ngram": NGRAM, "hybrid": HYBRID}  # --drafters -> the auto method of each
 
 
 @dataclass
@@ -31,7 +34,9 @@ class Cell:
     """One method at one batch size, over all the prompts."""
 
     batch_size: int
-    method: str  # HF, ASSISTED, AR, AUTO or "spec gamma=N"
+    method: str  # HF, ASSISTED, LOOKUP, AR, AUTO, NGRAM, HYBRID or "spec gamma=N"
+    config: DecodeConfig
+    draft: object | None = None  # the draft model its decoder runs
     seconds: float = float("inf")  # best pass
     outputs: list[list[int]] = field(default_factory=list)  # completion token ids per prompt
     stats: list[dict] = field(default_factory=list)  # per-row stats (batchspec methods)
@@ -73,11 +78,13 @@ class ForwardCosts:
     target: list[float]
     draft: float
 
-    def ideal(self, alpha: float, gamma: int) -> float:
+    def ideal(self, alpha: float, gamma: int, drafts: bool = True) -> float:
         """Speed-up over plain steps if every step cost its forwards only: E(alpha, gamma) tokens
-        for one target forward over gamma + 1 tokens and gamma draft forwards."""
+        for one target forward over gamma + 1 tokens and gamma draft forwards (none for n-gram
+        lookup: drafts False)."""
         a = min(alpha, 1 - 1e-9)
-        return (1 - a ** (gamma + 1)) / (1 - a) * self.target[0] / (self.target[gamma] + gamma * self.draft)
+        draft = self.draft if drafts else 0.0
+        return (1 - a ** (gamma + 1)) / (1 - a) * self.target[0] / (self.target[gamma] + gamma * draft)
 
 
 @torch.inference_mode()
@@ -96,26 +103,32 @@ def forward_costs(pair, prompts: list[list[int]], gamma_max: int, repeats: int =
         return sorted(seconds)[repeats // 2]
 
     return ForwardCosts([median_forward(pair.target, s) for s in range(1, gamma_max + 2)],
-                        median_forward(pair.draft, 1))
+                        median_forward(pair.draft, 1) if pair.draft is not None else 0.0)
 
 
 def ideal_speedup(cell: Cell, costs: ForwardCosts) -> float | None:
     """What the cell's measured alpha promises at its forward costs: for a fixed gamma, that
-    gamma's; for auto, the best of plain steps (1) and every gamma up to gamma_max."""
-    if cell.policy is None:
+    gamma's; for auto, the best of plain steps (1) and every gamma up to gamma_max. None for the
+    hybrid, whose steps mix both kinds of cost."""
+    if cell.policy is None or cell.method == HYBRID:
         return None
+    drafts = cell.method != NGRAM
     if not cell.policy.auto:
-        return costs.ideal(cell.alpha, cell.policy.fixed) if cell.alpha is not None else None
+        return costs.ideal(cell.alpha, cell.policy.fixed, drafts) if cell.alpha is not None else None
     alpha = cell.alpha or 0.0  # None: auto never speculated
-    return max([1.0] + [costs.ideal(alpha, g) for g in range(1, cell.policy.gamma_max + 1)])
+    return max([1.0] + [costs.ideal(alpha, g, drafts) for g in range(1, cell.policy.gamma_max + 1)])
 
 
-def hf_generate(pair, prompts: list[list[int]], max_new_tokens: int, assisted: bool) -> list[list[int]]:
-    """transformers' greedy generate (assisted: with the draft as assistant model, one row only);
-    completions cut after the first EOS id, as ours are."""
+def hf_generate(pair, prompts: list[list[int]], config: DecodeConfig, method: str) -> list[list[int]]:
+    """transformers' greedy generate (ASSISTED: with the draft as assistant model; LOOKUP: prompt
+    lookup with the n-gram sizes of `config`; both one row only); completions cut after the first
+    EOS id, as ours are."""
     ids, mask = left_pad(prompts, pair.target.device)
     eos = list(pair.eos_token_ids)
-    extra = {"assistant_model": pair.draft} if assisted else {}
+    max_new_tokens = config.max_new_tokens
+    extra = {ASSISTED: {"assistant_model": pair.draft},
+             LOOKUP: {"prompt_lookup_num_tokens": config.gamma_max,
+                      "max_matching_ngram_size": config.ngram[1] if config.ngram else None}}.get(method, {})
     out = pair.target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
                                eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0, **extra)
     completions = out[:, ids.shape[1] :].tolist()
@@ -125,7 +138,8 @@ def hf_generate(pair, prompts: list[list[int]], max_new_tokens: int, assisted: b
 def assistable(pair) -> bool:
     """transformers assists only with a draft of the target's vocabulary width (else it wants its
     universal assisted decoding, for other tokenizers)."""
-    return len({m.config.get_text_config().vocab_size for m in (pair.target, pair.draft)}) == 1
+    return pair.draft is not None and len({m.config.get_text_config().vocab_size
+                                           for m in (pair.target, pair.draft)}) == 1
 
 
 def timed(fn):
@@ -138,35 +152,49 @@ def timed(fn):
     return time.perf_counter() - start, result
 
 
-def decode_all(pair, cell: Cell, prompts: list[list[int]], config: DecodeConfig) -> tuple[list, list]:
+def decode_all(pair, cell: Cell, prompts: list[list[int]]) -> tuple[list, list]:
     """Completions and row stats of every prompt, decoded by cell.method in batches of its size."""
     outputs, stats = [], []
     for start in range(0, len(prompts), cell.batch_size):
         batch = prompts[start : start + cell.batch_size]
-        if cell.method in (HF, ASSISTED):
-            outputs += hf_generate(pair, batch, config.max_new_tokens, assisted=cell.method == ASSISTED)
+        if cell.method in (HF, ASSISTED, LOOKUP):
+            outputs += hf_generate(pair, batch, cell.config, cell.method)
             continue
-        draft = None if cell.method == AR else pair.draft
-        result = decode_batch(pair.target, draft, batch, list(range(len(batch))), config, policy=cell.policy)
+        result = decode_batch(pair.target, cell.draft, batch, list(range(len(batch))), cell.config, policy=cell.policy)
         outputs += [r.token_ids for r in result.rows]
         stats += [r.stats for r in result.rows]
     return outputs, stats
 
 
-def bench_size(pair, prompts, batch_size: int, gammas: list[int], gamma_max: int, max_new_tokens: int,
-               repeats: int) -> list[Cell]:
-    """Every method at one batch size: a warm-up batch each, then interleaved timed passes."""
-    base = DecodeConfig(max_new_tokens=max_new_tokens, eos_token_ids=pair.eos_token_ids, gamma_max=gamma_max)
-    assisted = batch_size == 1 and assistable(pair)
-    configs = {HF: base, **({ASSISTED: base} if assisted else {}), AR: base,
-               **{f"spec gamma={g}": replace(base, gamma=g) for g in gammas}, AUTO: base}
-    cells = [Cell(batch_size, m, policy=c.policy() if m.startswith("spec") else None) for m, c in configs.items()]
-    costs = forward_costs(pair, prompts[:batch_size], max(gammas + [gamma_max]))
+def methods(pair, batch_size: int, drafters: list[str], gammas: list[int], base: DecodeConfig,
+            ngram: tuple[int, int]) -> list[Cell]:
+    """The cells one batch size compares: transformers' (its one-row methods at batch 1 only),
+    ar, the draft model at each fixed gamma, and each drafter with auto (ngram: n-gram sizes)."""
+    lookup = replace(base, ngram=ngram)
+    one_row = [ASSISTED] * assistable(pair) + [LOOKUP] * ("ngram" in drafters) if batch_size == 1 else []
+    cells = [Cell(batch_size, HF, base)] + [Cell(batch_size, m, lookup) for m in one_row]
+    cells.append(Cell(batch_size, AR, base))
+    if "model" in drafters:
+        cells += [Cell(batch_size, f"spec gamma={g}", replace(base, gamma=g), pair.draft) for g in gammas]
+    for drafter in drafters:
+        config = base if drafter == "model" else lookup
+        draft = pair.draft if drafter in ("model", "hybrid") else None
+        cells.append(Cell(batch_size, DRAFTERS[drafter], config, draft))
     for cell in cells:
-        decode_all(pair, cell, prompts[:batch_size], configs[cell.method])  # warm-up; auto measures its costs
+        cell.policy = cell.config.policy() if cell.method not in (HF, ASSISTED, LOOKUP, AR) else None
+    return cells
+
+
+def bench_size(pair, prompts, batch_size: int, drafters: list[str], gammas: list[int], base: DecodeConfig,
+               ngram: tuple[int, int], repeats: int) -> list[Cell]:
+    """Every method at one batch size: a warm-up batch each, then interleaved timed passes."""
+    cells = methods(pair, batch_size, drafters, gammas, base, ngram)
+    costs = forward_costs(pair, prompts[:batch_size], max(gammas + [base.gamma_max]))
+    for cell in cells:
+        decode_all(pair, cell, prompts[:batch_size])  # warm-up; auto measures its costs
     for _ in range(repeats):
         for cell in cells:
-            seconds, (outputs, stats) = timed(lambda c=cell: decode_all(pair, c, prompts, configs[c.method]))
+            seconds, (outputs, stats) = timed(lambda c=cell: decode_all(pair, c, prompts))
             if seconds < cell.seconds:
                 cell.seconds, cell.outputs, cell.stats = seconds, outputs, stats
     for cell in cells:
@@ -193,15 +221,17 @@ def table(cells: list[Cell]) -> str:
 
 
 def verdicts(cells: list[Cell]) -> str:
-    """Per batch size: the fastest method, and auto against ar and against the best fixed gamma."""
+    """Per batch size: the fastest method, each drafter's auto against ar, and the model's auto
+    against its best fixed gamma."""
     lines = []
     for size in sorted({c.batch_size for c in cells}):
         row_cells = [c for c in cells if c.batch_size == size]
         rate = {c.method: c.rate for c in row_cells}
         best = max(row_cells, key=lambda c: c.rate)
         fixed = max((c for c in row_cells if c.method.startswith("spec gamma=")), key=lambda c: c.rate, default=None)
-        line = f"batch {size}: fastest {best.method} ({best.rate / rate[AR]:.2f}x ar); auto {rate[AUTO] / rate[AR]:.2f}x ar"
-        if fixed:
+        line = f"batch {size}: fastest {best.method} ({best.rate / rate[AR]:.2f}x ar)"
+        line += "".join(f"; {m} {rate[m] / rate[AR]:.2f}x ar" for m in DRAFTERS.values() if m in rate)
+        if fixed and AUTO in rate:
             line += f", {rate[AUTO] / fixed.rate:.2f}x the best fixed ({fixed.method})"
         lines.append(line)
     return "\n".join(lines)
@@ -223,18 +253,26 @@ def load_prompts(path: str, tokenizer, count: int | None) -> list[list[int]]:
 
 
 def bench(*, target: str | None, draft: str | None, prompts: str, rows: int | None, batch_sizes: list[int],
-          gammas: list[int], gamma_max: int, max_new_tokens: int, repeats: int, dtype: str, device: str) -> str:
+          drafters: list[str], gammas: list[int], gamma_max: int, ngram_min: int, ngram_max: int,
+          max_new_tokens: int, repeats: int, dtype: str, device: str) -> str:
     """The markdown report of every method at every batch size on a model pair (default: the
     embedded one)."""
     if target is None:
         target, draft = default_target(), draft or default_draft()
-    if draft is None:
-        raise UsageError("bench compares speculative decoding with the rest: give --draft with --target")
-    pair = load_pair(target, draft, dtype=dtype, device=device)
+    if draft is None and {"model", "hybrid"} & set(drafters):
+        raise UsageError("the model and hybrid drafters need --draft with --target (or --drafters ngram)")
+    if not 1 <= ngram_min <= ngram_max:
+        raise UsageError(f"need 1 <= --ngram-min <= --ngram-max, got {ngram_min} and {ngram_max}")
+    gammas = gammas if "model" in drafters else []
+    pair = load_pair(target, draft if {"model", "hybrid"} & set(drafters) else None, dtype=dtype, device=device)
     token_ids = load_prompts(prompts, pair.tokenizer, rows or max(batch_sizes))
+    base = DecodeConfig(max_new_tokens=max_new_tokens, eos_token_ids=pair.eos_token_ids, gamma_max=gamma_max)
     cells = [cell for size in batch_sizes
-             for cell in bench_size(pair, token_ids, size, gammas, gamma_max, max_new_tokens, repeats)]
+             for cell in bench_size(pair, token_ids, size, drafters, gammas, base, (ngram_min, ngram_max), repeats)]
     where = f"{pair.target.device.type}, {str(pair.target.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads"
-    note = "" if assistable(pair) else "\n(no hf assisted: transformers refuses a draft of another vocabulary width)"
-    return (f"target {target}\ndraft  {draft}\n{where}; {len(token_ids)} prompts, max_new_tokens {max_new_tokens}, "
+    refused = pair.draft is not None and not assistable(pair)
+    note = "\n(no hf assisted: transformers refuses a draft of another vocabulary width)" if refused else ""
+    drafted_by = f"draft  {draft if pair.draft is not None else '(none)'}; n-gram sizes {ngram_min}..{ngram_max}"
+    return (f"target {target}\n{drafted_by}\n"
+            f"{where}; {len(token_ids)} prompts, max_new_tokens {max_new_tokens}, "
             f"greedy, best of {repeats}\n\n{table(cells)}\n\n{verdicts(cells)}{note}")

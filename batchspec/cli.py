@@ -87,8 +87,13 @@ def main():
 @option("--target", default=None,
         help="Target model: Hub id, local folder or .gguf file. Default: the embedded SmolLM2-135M-Instruct.")
 @option("--draft", default=None,
-        help="Draft model sharing the target's tokenizer, for --mode spec. Default: the embedded draft, "
-        "when the target is the default.")
+        help="Draft model sharing the target's tokenizer, for --mode spec, or 'ngram': prompt lookup, no model. "
+        "Default: the embedded draft, when the target is the default.")
+@option("--ngram/--no-ngram", default=False,
+        help="With a draft model: propose by n-gram lookup for rows whose context has a match, by the model "
+        "elsewhere (hybrid).")
+@option("--ngram-min", type=click.IntRange(1), default=2, help="Shortest n-gram looked up (--draft ngram, --ngram).")
+@option("--ngram-max", type=click.IntRange(1), default=4, help="Longest n-gram looked up; longer matches win.")
 @option("--mode", type=click.Choice(["spec", "ar"]), default="spec",
         help="spec: draft proposes, target verifies. ar: the target alone.")
 @option("--gamma", type=Gamma(), default="auto", help=GAMMA_HELP)
@@ -177,23 +182,31 @@ def int_list(text: str, name: str) -> list[int]:
         help="Prompts decoded by every method at every batch size (cycled from the file). Default: the largest "
         "batch size.")
 @option("--batch-sizes", default="1,4,8", help="Comma-separated batch sizes.")
-@option("--gammas", default="1,3,5,8", help="Comma-separated fixed gammas, run beside --gamma auto.")
+@option("--drafters", default="model,ngram,hybrid",
+        help="Comma-separated drafters run with --gamma auto: model (the draft), ngram (prompt lookup), hybrid.")
+@option("--gammas", default="1,3,5,8", help="Comma-separated fixed gammas of the draft model ('' for none).")
+@option("--ngram-min", type=click.IntRange(1), default=2, help="Shortest n-gram looked up.")
+@option("--ngram-max", type=click.IntRange(1), default=4, help="Longest n-gram looked up.")
 @option("--gamma-max", type=click.IntRange(1, 64), default=8, help="The most draft tokens auto proposes.")
 @option("--max-new-tokens", type=click.IntRange(1), default=64, help="Most tokens generated per row.")
 @option("--repeats", type=click.IntRange(1), default=2, help="Interleaved timed passes; the best counts.")
 @option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", help="Model dtype.")
 @option("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
 @option("--debug", is_flag=True, default=False, help="Show tracebacks.")
-def bench(debug, batch_sizes, gammas, **options):
-    """Greedy tokens/s of spec (fixed gammas and auto) vs ar vs transformers' generate and assisted
-    generation, side by side in one process, with acceptance, the gammas auto chose and the
-    speed-up the measured acceptance and step costs promise."""
-    from batchspec.bench import bench as run_bench
+def bench(debug, batch_sizes, drafters, gammas, **options):
+    """Greedy tokens/s of spec (the draft at fixed gammas, and each drafter with auto) vs ar vs
+    transformers' generate, assisted generation and prompt lookup, side by side in one process,
+    with acceptance, the gammas auto chose and the speed-up the measured acceptance and step
+    costs promise."""
+    from batchspec.bench import DRAFTERS, bench as run_bench
 
-    sizes, fixed = int_list(batch_sizes, "--batch-sizes"), int_list(gammas, "--gammas")
+    sizes, fixed = int_list(batch_sizes, "--batch-sizes"), int_list(gammas, "--gammas") if gammas else []
+    kinds = [kind.strip() for kind in drafters.split(",") if kind.strip()]
+    if not kinds or set(kinds) - set(DRAFTERS):
+        raise click.BadParameter(f"expected some of {', '.join(DRAFTERS)}, got {drafters!r}", param_hint="--drafters")
 
     def job():
-        click.echo(run_bench(batch_sizes=sizes, gammas=fixed, **options))
+        click.echo(run_bench(batch_sizes=sizes, drafters=kinds, gammas=fixed, **options))
         return 0
 
     sys.exit(guarded(job, debug))

@@ -8,8 +8,11 @@ from pathlib import Path
 
 import orjson
 
+NGRAM = "ngram"  # --draft ngram: prompt lookup drafting, no draft model
+
 FINGERPRINT_FIELDS = (
-    "target", "draft", "mode", "gamma", "gamma_max", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "dtype",
+    "target", "draft", "ngram", "ngram_min", "ngram_max", "mode", "gamma", "gamma_max", "max_new_tokens",
+    "temperature", "top_k", "top_p", "seed", "dtype",
     "split", "subset", "prompt_field", "id_field", "messages_field", "chat", "system", "truncate", "token_ids",
     "output_format", "keep_fields", "keep_all_fields", "num_shards", "shard_index",
 )  # what changes the records (or which rows a shard holds); batch size, window and device only change the speed
@@ -20,7 +23,10 @@ class RunConfig:
     input: str
     out: str
     target: str | None = None  # None: the embedded default pair
-    draft: str | None = None
+    draft: str | None = None  # a draft model, or "ngram": prompt lookup, no model
+    ngram: bool = False  # with a draft model: n-gram lookup where a row has a match (hybrid)
+    ngram_min: int = 2  # n-gram sizes looked up, longest first
+    ngram_max: int = 4
     mode: str = "spec"  # "spec" or "ar"
     gamma: int | str = "auto"  # draft proposals per step, or "auto": chosen each step, 0..gamma_max
     gamma_max: int = 8
@@ -61,6 +67,17 @@ class RunConfig:
         options = self.options()
         fingerprint = {"options": {k: options[k] for k in FINGERPRINT_FIELDS}, "input": input_identity(self.input)}
         return orjson.loads(orjson.dumps(fingerprint))  # as it reads back from JSON (tuples are lists)
+
+    @property
+    def draft_model(self) -> str | None:
+        """The draft model to load: none for --mode ar or --draft ngram."""
+        return self.draft if self.mode == "spec" and self.draft != NGRAM else None
+
+    @property
+    def ngram_sizes(self) -> tuple[int, int] | None:
+        """(n_min, n_max) when n-gram lookup drafts (--draft ngram, or --ngram beside a model)."""
+        looks_up = self.mode == "spec" and (self.draft == NGRAM or self.ngram)
+        return (self.ngram_min, self.ngram_max) if looks_up else None
 
 
 def input_identity(source: str) -> dict:

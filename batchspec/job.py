@@ -37,7 +37,11 @@ def check_options(cfg: RunConfig) -> None:
     if cfg.mode not in ("spec", "ar"):
         raise UsageError(f"--mode must be spec or ar, got {cfg.mode!r}")
     if cfg.mode == "spec" and not cfg.draft and not cfg.dry_run:
-        raise UsageError("--mode spec needs a --draft model (or use --mode ar)")
+        raise UsageError("--mode spec needs a --draft model or --draft ngram (or use --mode ar)")
+    if cfg.ngram and cfg.mode != "spec":
+        raise UsageError("--ngram drafts for --mode spec; --mode ar has no draft")
+    if not 1 <= cfg.ngram_min <= cfg.ngram_max:
+        raise UsageError(f"need 1 <= --ngram-min <= --ngram-max, got {cfg.ngram_min} and {cfg.ngram_max}")
     for name in ("gamma_max", "max_new_tokens", "batch_size", "window"):
         if getattr(cfg, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
@@ -104,12 +108,13 @@ def run(cfg: RunConfig) -> int:
 def run_locked(cfg: RunConfig, paths: OutputPaths, sink: Sink, stop: StopSignals) -> int:
     if sink.resumed_rows or sink.resumed_errors:
         say(f"resuming {paths.out}: {sink.resumed_rows} rows and {sink.resumed_errors} errors already written")
-    pair = load_pair(cfg.target, cfg.draft if cfg.mode == "spec" else None, dtype=cfg.dtype, device=cfg.device)
+    pair = load_pair(cfg.target, cfg.draft_model, dtype=cfg.dtype, device=cfg.device)
     make_record = record_maker(cfg, pair.tokenizer)
     sampling = resolve_sampling(pair.target.generation_config, temperature=cfg.temperature, top_k=cfg.top_k,
                                 top_p=cfg.top_p)
     config = DecodeConfig(max_new_tokens=cfg.max_new_tokens, eos_token_ids=pair.eos_token_ids, sampling=sampling,
-                          gamma=None if cfg.gamma == "auto" else cfg.gamma, gamma_max=cfg.gamma_max, seed=cfg.seed)
+                          gamma=None if cfg.gamma == "auto" else cfg.gamma, gamma_max=cfg.gamma_max, seed=cfg.seed,
+                          ngram=cfg.ngram_sizes)
     policy = config.policy()
     encode = encoder(cfg, pair.tokenizer, pair.context_length)
     stats = RunStats()
@@ -153,7 +158,8 @@ def run_locked(cfg: RunConfig, paths: OutputPaths, sink: Sink, stop: StopSignals
         **stats.summary(),
         "models": {
             "target": cfg.target,
-            "draft": cfg.draft if cfg.mode == "spec" else None,
+            "draft": cfg.draft_model,
+            "ngram": cfg.ngram_sizes,
             "dtype": str(pair.target.dtype).removeprefix("torch."),
             "device": str(pair.target.device),
             "sampling": vars(sampling) | {"greedy": sampling.greedy},
@@ -179,7 +185,8 @@ def print_summary(summary: dict, paths: OutputPaths, interrupted: bool) -> None:
         f"  rows       {summary['rows_ok']} ok, {summary['rows_error']} errors, {summary['rows_skipped']} already done",
         f"  tokens     {summary['completion_tokens']} generated in {summary['seconds']:.1f}s "
         f"({summary['tokens_per_s']:.1f} tok/s)",
-        f"  acceptance {rate:.3f}" if rate is not None else "  acceptance n/a (autoregressive)",
+        f"  acceptance {rate:.3f} (proposals: {summary['model_steps']} row-steps from the model, "
+        f"{summary['ngram_steps']} from n-gram lookup)" if rate is not None else "  acceptance n/a (no proposals)",
         f"  padding    {summary['padding_fraction']:.3f} of prompt slots, "
         f"{summary['wasted_cache_fraction']:.3f} of cache slots wasted",
         f"  output     {paths.out}",
@@ -194,7 +201,7 @@ def dry_run(cfg: RunConfig) -> int:
     """Check the input, count rows and errors and show the batches, loading no weights."""
     tokenizer = load_tokenizer(cfg.target)
     record_maker(cfg, tokenizer)  # refuses --keep-fields that clash with the output's own
-    specs = [cfg.target] + ([cfg.draft] if cfg.draft and cfg.mode == "spec" else [])
+    specs = [cfg.target] + ([cfg.draft_model] if cfg.draft_model else [])
     contexts = [n for n in (context_length(load_config(spec)) for spec in specs) if n is not None]
     encode = encoder(cfg, tokenizer, min(contexts, default=None))
     errors, lengths, batch_sizes = Counter(), Counter(), Counter()

@@ -22,6 +22,8 @@ class RunStats:
     completion_tokens: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    model_steps: int = 0  # row-steps whose proposal came from the draft model
+    ngram_steps: int = 0  # row-steps whose proposal came from n-gram lookup
     pad_slots: int = 0
     prompt_slots: int = 0
     empty_cache_slots: int = 0
@@ -46,6 +48,8 @@ class RunStats:
             self.completion_tokens += s["completion_tokens"]
             self.draft_tokens += s["draft_tokens"]
             self.accepted_tokens += s["accepted_tokens"]
+            self.model_steps += s["model_steps"]
+            self.ngram_steps += s["ngram_steps"]
             self.histogram = add_up(self.histogram, s["accepted_length_histogram"])
             self.gammas = add_up(self.gammas, s["gamma_histogram"])
 
@@ -76,6 +80,8 @@ class RunStats:
             "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,
             "acceptance_rate": self.acceptance_rate,
+            "model_steps": self.model_steps,
+            "ngram_steps": self.ngram_steps,
             "accepted_length_histogram": self.histogram,
             "gamma_histogram": self.gammas,
             "padding_fraction": self.pad_slots / self.prompt_slots if self.prompt_slots else 0.0,

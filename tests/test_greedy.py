@@ -89,6 +89,29 @@ def test_spec_greedy_equals_target_alone(case, gamma):
         assert 0 < sum(rates) / len(rates) < 1  # the noisy draft agrees often, not always
 
 
+LOOKUP = (1, 3)  # n-gram sizes for the lookup tests: short matches, so many proposals are wrong
+
+
+@pytest.mark.parametrize("gamma", [3, "auto", "switching"])
+@pytest.mark.parametrize("drafter", ["ngram", "hybrid"])
+def test_lookup_greedy_equals_target_alone(case, drafter, gamma):
+    """N-gram lookup alone, and with the draft model (hybrid): rows with and without a match in
+    one batch, the draft cache kept in step across both sources."""
+    family, pair, prompts, expected = case
+    out = decode(pair, pair.draft if drafter == "hybrid" else None, prompts, gamma, ngram=LOOKUP)
+    assert [r.token_ids for r in out.rows] == expected
+    stats = [r.stats for r in out.rows]
+    if drafter == "ngram":
+        assert all(s["model_steps"] == s["draft_forwards"] == 0 for s in stats)
+    if gamma == 3:  # auto may find plain steps cheapest for these tiny models
+        assert 0 < sum(s["accepted_tokens"] for s in stats) < sum(s["draft_tokens"] for s in stats)
+        assert sum(s["ngram_steps"] for s in stats) > 0
+        if drafter == "ngram":  # a row without a match steps beside rows with one
+            assert any(s["gamma_histogram"][0] for s in stats)
+        else:  # the model proposes where the lookup finds nothing
+            assert sum(s["model_steps"] for s in stats) > 0
+
+
 def test_ar_greedy_equals_target_alone(case):
     family, pair, prompts, expected = case
     out = decode(pair, None, prompts)
@@ -175,10 +198,10 @@ def test_draft_covering_a_prefix_of_the_vocabulary(case):
     assert sum(r.stats["accepted_tokens"] for r in out.rows) > 0
 
 
-@pytest.mark.parametrize("gamma", [3, "switching"])
-def test_row_statistics_add_up(case, gamma):
+@pytest.mark.parametrize("gamma,ngram", [(3, None), ("switching", None), (3, LOOKUP)], ids=["3", "switching", "hybrid"])
+def test_row_statistics_add_up(case, gamma, ngram):
     family, pair, prompts, expected = case
-    out = decode(pair, pair.draft, prompts, gamma)
+    out = decode(pair, pair.draft, prompts, gamma, ngram=ngram)
     width = 9 if gamma == "switching" else gamma + 1  # gamma_max + 1
     for prompt, row in zip(prompts, out.rows):
         s = row.stats
@@ -197,7 +220,10 @@ def test_row_statistics_add_up(case, gamma):
         else:  # a row that ended on its first, plain step
             assert s["acceptance_rate"] is None and s["mean_accepted_length"] is None
         assert s["target_forwards"] == sum(gammas) + prefill
-        assert s["draft_forwards"] == s["draft_tokens"]  # the prompt rides in the draft's first forward
+        assert s["model_steps"] + s["ngram_steps"] == steps  # each speculative step names its source
+        if ngram is None:
+            assert s["draft_forwards"] == s["draft_tokens"]  # the prompt rides in the draft's first forward
+            assert s["ngram_steps"] == 0
         assert sum(gammas) <= s["completion_tokens"]  # each step yields at least one token
         if gamma == "switching" and len(row.token_ids) >= 10:
             assert gammas[0] > 0 and steps > 0

@@ -216,11 +216,40 @@ def test_options_from_environment_and_clean_stdout(setup, tmp_path):
     (["--draft", "/nonexistent/model"], "cannot load"),
     (["--gamma", "0"], "--gamma"),
     (["--gamma", "fast"], "--gamma"),
+    (["--mode", "ar", "--ngram"], "--ngram"),
+    (["--draft", "ngram", "--ngram-min", "5", "--ngram-max", "2"], "--ngram-min"),
 ])
 def test_usage_errors_exit_2_without_traceback(setup, tmp_path, args, message):
     result = run_cli(str(setup["input"]), "--out", str(tmp_path / "o.jsonl"), "--target", str(setup["target"]),
                      "--no-progress", *args)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_ngram_and_hybrid_drafts_write_the_target_alones_records(setup, tmp_path):
+    """--draft ngram (no draft model loaded) and --ngram beside the draft model (hybrid): the same
+    token ids as --mode ar, each row saying which source proposed how often."""
+    source = tmp_path / "copy.jsonl"
+    rows = [{"id": f"r{i}", "prompt": " ".join(WORDS[i : i + 8] * 3)} for i in range(12)]  # each repeats itself
+    source.write_bytes(b"\n".join(orjson.dumps(r) for r in rows) + b"\n")
+    common = ["--target", str(setup["target"]), "--max-new-tokens", "16", "--batch-size", "4", "--gamma", "3",
+              "--no-progress", "--token-ids", "--ngram-min", "1", "--ngram-max", "3"]
+    draft = setup["models"][setup["models"].index("--draft") + 1]
+    runs = {"ar": ["--mode", "ar"], "ngram": ["--draft", "ngram"], "hybrid": ["--draft", draft, "--ngram"]}
+    records, summaries = {}, {}
+    for name, args in runs.items():
+        out = tmp_path / f"{name}.jsonl"
+        result = run_cli(str(source), "--out", str(out), *common, *args)
+        assert result.returncode == 0, result.stderr
+        records[name] = {r["id"]: r for r in map(orjson.loads, out.read_bytes().splitlines())}
+        summaries[name] = orjson.loads(sidecar(out, ".summary.json").read_bytes())
+    token_ids = {name: {k: r["token_ids"] for k, r in rows.items()} for name, rows in records.items()}
+    for name in ("ngram", "hybrid"):
+        assert token_ids[name] == token_ids["ar"]
+        assert summaries[name]["ngram_steps"] == sum(r["stats"]["ngram_steps"] for r in records[name].values()) > 0
+        assert summaries[name]["models"]["ngram"] == [1, 3]
+    assert summaries["ngram"]["models"]["draft"] is None and summaries["ngram"]["model_steps"] == 0
+    assert summaries["hybrid"]["models"]["draft"] == draft
+    assert summaries["ar"]["ngram_steps"] == summaries["ar"]["model_steps"] == 0
 
 
 def test_context_overflow_is_an_error_record_unless_truncated(setup, tmp_path):

@@ -9,7 +9,7 @@ from batchspec.models import load_pair
 
 from policies import Scripted
 
-from test_greedy import LENGTHS, random_prompts
+from test_greedy import LENGTHS, random_prompts, reference
 
 
 def next_logits_from_cache(kv, ids, mask):
@@ -26,6 +26,21 @@ def fresh_next_logits(model, sequence):
 # mistral and gemma2: sliding windows far shorter than the rows (gemma2's draft noisier, or it
 # would accept nearly everything: no holes inside the windows)
 CASES = {"llama": {}, "qwen2": {}, "gpt2": {}, "mistral": {"window": 12}, "gemma2": {"window": 12, "noise": 0.1}}
+
+
+def assert_caches_hold_accepted_prefixes(decoder, pair, prompts, drafter) -> None:
+    """The target's and the draft's caches, fed each row's newest token (the draft first what it
+    owes), give the logits of a clean forward over the row's whole sequence."""
+    rows = decoder.rows
+    ones = torch.ones_like(rows.last)[:, None]
+    target_logits = next_logits_from_cache(decoder.target_kv, rows.last[:, None], ones)
+    draft_in = torch.cat([drafter.owed, rows.last[:, None]], dim=1)  # what the draft owes, then the newest
+    draft_logits = next_logits_from_cache(drafter.kv, draft_in, torch.cat([drafter.owed_mask, ones], 1))
+    for b, tally in enumerate(decoder.tallies):
+        sequence = prompts[tally.index] + tally.tokens
+        torch.testing.assert_close(target_logits[b], fresh_next_logits(pair.target, sequence), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(draft_logits[b], fresh_next_logits(pair.draft, sequence), atol=1e-4, rtol=1e-4)
+    assert decoder.target_kv.mask.shape == (len(decoder.tallies), decoder.target_kv.length)
 
 
 @pytest.mark.parametrize("family,kwargs", CASES.items(), ids=CASES)
@@ -45,18 +60,55 @@ def test_caches_hold_each_rows_accepted_prefix(tiny_pair, family, kwargs, compac
     for _ in range(len(gammas) if len(gammas) > 1 else 6):
         behind.add(decoder.drafter.behind)
         decoder.step()
-        rows, drafter = decoder.rows, decoder.drafter
-        ones = torch.ones_like(rows.last)[:, None]
-        target_logits = next_logits_from_cache(decoder.target_kv, rows.last[:, None], ones)
-        draft_in = torch.cat([drafter.owed, rows.last[:, None]], dim=1)  # what the draft owes, then the newest
-        draft_logits = next_logits_from_cache(drafter.kv, draft_in, torch.cat([drafter.owed_mask, ones], 1))
-        for b, tally in enumerate(decoder.tallies):
-            sequence = prompts[tally.index] + tally.tokens
-            torch.testing.assert_close(target_logits[b], fresh_next_logits(pair.target, sequence), atol=1e-4, rtol=1e-4)
-            torch.testing.assert_close(draft_logits[b], fresh_next_logits(pair.draft, sequence), atol=1e-4, rtol=1e-4)
-        owed.update(int(x) for x in drafter.owed_mask[:, -1:].flatten())
-        assert decoder.target_kv.mask.shape == (len(decoder.tallies), decoder.target_kv.length)
+        assert_caches_hold_accepted_prefixes(decoder, pair, prompts, decoder.drafter)
+        owed.update(int(x) for x in decoder.drafter.owed_mask[:, -1:].flatten())
     assert owed == {0, 1}  # rows that owe the draft a token beside rows that owe nothing
     assert max(behind) > (1 if len(gammas) > 1 else 0)  # switching: the draft caught up on several tokens
     if compact_at == 0.0:
         assert decoder.totals["compactions"] > 0
+
+
+@pytest.mark.parametrize("family,kwargs", [("llama", {}), ("gemma2", CASES["gemma2"])], ids=["llama", "gemma2"])
+@pytest.mark.parametrize("compact_at", [0.0, 1.0])
+@torch.inference_mode()
+def test_hybrid_draft_cache_holds_each_rows_accepted_prefix(tiny_pair, family, kwargs, compact_at):
+    """Hybrid drafting, with a lookup that knows each row's true continuation (its last proposal
+    spoilt on odd lengths, so that rows accept all or all but one): every third step all rows
+    take the lookup's proposal (the draft model sits out), every third some do (their draft
+    slots are dropped, their accepted tokens owed), every third none; plain steps between.
+    After each the draft cache still holds every row's true prefix."""
+    target_path, draft_path = tiny_pair(family, **kwargs)
+    pair = load_pair(str(target_path), str(draft_path), dtype="float32", device="cpu")
+    prompts = random_prompts(len(pair.tokenizer), LENGTHS[:6], seed=3)
+    truth = [p + reference(pair.target, p, [], max_new=60) for p in prompts]
+    config = DecodeConfig(max_new_tokens=40, gamma_max=4, compact_at=compact_at, ngram=(1, 3))
+    decoder = BatchDecoder(pair.target, pair.draft, prompts, list(range(len(prompts))), config,
+                           policy=Scripted([3, 0, 4, 2, 0, 3, 1, 4], gamma_max=4))
+    ngram = decoder.drafter.ngram
+
+    def oracle(b: int, gamma: int) -> list[int]:
+        context, step = ngram.contexts[b], decoder.totals["verify_steps"]
+        if step % 3 == 2 or (step % 3 == 1 and b % 2):
+            return []
+        row = next(t for t in truth if t[: len(context)] == context)
+        proposal = row[len(context) : len(context) + gamma]
+        return proposal[:-1] + [(proposal[-1] + 1) % len(pair.tokenizer)] if len(context) % 2 else proposal
+
+    ngram.lookup = oracle
+    sat_out = []
+    verified = decoder.drafter.model.verified
+
+    def noted(proposal, last, n, max_n, appended):
+        if proposal.width and not proposal.forwards:
+            sat_out.append(max_n)
+        verified(proposal, last, n, max_n, appended)
+
+    decoder.drafter.model.verified = noted
+    while not decoder.done:
+        decoder.step()
+        if not decoder.done:
+            assert_caches_hold_accepted_prefixes(decoder, pair, prompts, decoder.drafter.model)
+    rows = decoder.output().rows
+    assert [p + r.token_ids for p, r in zip(prompts, rows)] == [t[: len(p) + 40] for p, t in zip(prompts, truth)]
+    assert max(sat_out) > 0  # steps where the model sat out and rows accepted the lookup's tokens
+    assert all(r.stats["model_steps"] and r.stats["ngram_steps"] for r in rows)

@@ -19,7 +19,8 @@ from batchspec.tiny import perturbed
 from policies import Scripted
 
 VOCAB, SAMPLES, NEW_TOKENS, ALPHA = 12, 6000, 4, 1e-3
-PROMPT = [1, 5, 7, 2, 9]
+PROMPT = [1, 5, 7, 2, 9, 5, 7]  # "5 7" recurs: n-gram lookup proposes "2 9 5 7" at once
+LOOKUP = (1, 3)
 SETTINGS = {
     "t1": SamplingParams(temperature=1.0),
     "topk-topp": SamplingParams(temperature=0.8, top_k=6, top_p=0.9),
@@ -85,32 +86,41 @@ def target_samples(models):
     return samples
 
 
-def our_samples(target, draft, params, gamma=3, seed=0, policy=None):
-    config = DecodeConfig(max_new_tokens=NEW_TOKENS, sampling=params, gamma=gamma, seed=seed)
+def our_samples(target, draft, params, gamma=3, seed=0, policy=None, ngram=None):
+    config = DecodeConfig(max_new_tokens=NEW_TOKENS, sampling=params, gamma=gamma, seed=seed, ngram=ngram)
     out = decode_batch(target, draft, [PROMPT] * SAMPLES, list(range(SAMPLES)), config, policy=policy)
     return out, [r.token_ids for r in out.rows]
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("mode", ["spec", "ar", "switching"])
+@pytest.mark.parametrize("mode", ["spec", "ar", "switching", "ngram", "hybrid"])
 def test_sampling_matches_target(models, target_samples, setting, mode):
-    """switching: plain and speculative steps alternate inside each completion (gammas 0, 2, 0, 1)."""
+    """switching: plain and speculative steps alternate inside each completion (gammas 0, 2, 0, 1).
+    ngram: deterministic proposals (one-hot q), and rows without a match beside them; hybrid:
+    one-hot q for looked-up rows, the draft's q for the others, in one batch."""
     target, draft = models
     policy = Scripted([0, 2, 0, 1], gamma_max=3) if mode == "switching" else None
-    out, ours = our_samples(target, draft if mode != "ar" else None, SETTINGS[setting], policy=policy)
-    if mode != "ar":  # the draft differs enough that the residual path is exercised a lot
-        rates = [r.stats["acceptance_rate"] for r in out.rows]
-        assert 0.3 < sum(rates) / len(rates) < 0.9
+    draft = None if mode in ("ar", "ngram") else draft
+    out, ours = our_samples(target, draft, SETTINGS[setting], policy=policy,
+                            ngram=LOOKUP if mode in ("ngram", "hybrid") else None)
+    if mode != "ar":  # the proposals differ enough from p that the residual path is exercised a lot
+        rates = [r.stats["acceptance_rate"] for r in out.rows if r.stats["draft_tokens"]]
+        assert 0.05 < sum(rates) / len(rates) < 0.9
+    if mode == "hybrid":
+        assert all(sum(r.stats[k] for r in out.rows) > SAMPLES for k in ("model_steps", "ngram_steps"))
     p = p_values(ours, target_samples[setting])
     assert min(p.values()) > ALPHA, p
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
-def test_wrong_sampler_is_caught(models, target_samples, setting, monkeypatch):
-    """Drawing the rejected position from p instead of norm(max(0, p - q)) biases the output."""
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_wrong_sampler_is_caught(models, target_samples, setting, drafter, monkeypatch):
+    """Drawing the rejected position from p instead of norm(max(0, p - q)) biases the output
+    (for a one-hot q: the rejected token drawn again)."""
     target, draft = models
     monkeypatch.setattr(sampling, "residual", lambda p_n, q_n: p_n)
-    _, ours = our_samples(target, draft, SETTINGS[setting])
+    _, ours = our_samples(target, draft if drafter == "model" else None, SETTINGS[setting],
+                          ngram=LOOKUP if drafter == "ngram" else None)
     p = p_values(ours, target_samples[setting])
     assert min(p.values()) < ALPHA, p
 

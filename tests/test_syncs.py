@@ -46,16 +46,18 @@ class OpReads(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral"])
-@pytest.mark.parametrize("mode", ["auto", "switching", "ar"])
+@pytest.mark.parametrize("mode", ["auto", "switching", "ar", "ngram", "hybrid"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_every_step_reads_the_device_once(tiny_pair, family, mode, temperature):
     target, draft = tiny_pair(family, **({"window": 12} if family == "mistral" else {}))
     pair = load_pair(str(target), str(draft), dtype="float32", device="cpu")
     prompts = random_prompts(len(pair.tokenizer), [3, 17, 1, 9])
     config = DecodeConfig(max_new_tokens=12, eos_token_ids=pair.eos_token_ids, gamma_max=4, compact_at=1.0,
-                          sampling=SamplingParams(temperature=temperature))
-    policy = Scripted([0, 3, 0, 0, 4, 1], gamma_max=4) if mode == "switching" else None
-    decoder = BatchDecoder(pair.target, pair.draft if mode != "ar" else None, prompts, list(range(4)), config,
+                          sampling=SamplingParams(temperature=temperature),
+                          ngram=(1, 3) if mode in ("ngram", "hybrid") else None)
+    policy = Scripted([0, 3, 0, 0, 4, 1], gamma_max=4) if mode in ("switching", "ngram", "hybrid") else None
+    draft = pair.draft if mode in ("auto", "switching", "hybrid") else None
+    decoder = BatchDecoder(pair.target, draft, prompts, list(range(4)), config,
                            max_new_tokens=[12, 5, 9, 2], policy=policy)  # rows finish at different steps
     steps = []
     while not decoder.done:

@@ -5,10 +5,11 @@ the target scores one position and the "bonus" token is simply the next token. B
 therefore share the cache, positions, randomness and stopping rules.
 
 Each step, for B live rows:
-  1. choose:  the policy picks gamma = G for this step (fixed, or auto: 0..gamma_max).
-  2. propose: the drafter proposes d_1..d_G per row (nothing when G = 0).
+  1. choose:  the policy picks gamma for this step (fixed, or auto: 0..gamma_max).
+  2. propose: the drafter proposes up to gamma tokens per row, d_1..d_G (G: the most any row
+              proposes; a row proposing fewer pads its slots, which are never accepted).
   3. verify:  the target scores [last, d_1..d_G] in ONE forward: logits [B, G+1, V].
-  4. accept:  each row keeps n in 0..G proposals plus one correction or bonus token.
+  4. accept:  each row keeps n of its proposals plus one correction or bonus token.
   5. emit:    stop inside the kept block at an EOS id or at max_new_tokens.
   6. rollback: the target cache is cut to the longest kept row, shorter rows get holes in the
               mask; the drafter cuts its own state.
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from batchspec.decoding.drafters import ModelDrafter
+from batchspec.decoding.drafters import Proposal, make_drafter
 from batchspec.decoding.kv_cache import BatchKV
 from batchspec.decoding.policy import ROW_DECAY, GammaPolicy, expected_tokens, row_alpha
 from batchspec.decoding.sampling import SamplingParams, accept_greedy, accept_sampled, probabilities
@@ -40,6 +41,7 @@ class DecodeConfig:
     sampling: SamplingParams = SamplingParams()
     gamma: int | None = None  # draft proposals per step; None: auto (0..gamma_max, chosen each step)
     gamma_max: int = 8  # the most proposals auto may choose
+    ngram: tuple[int, int] | None = None  # (n_min, n_max): prompt lookup drafting (with a draft model: hybrid)
     seed: int = 0
     compact_at: float = 0.3  # compact the caches when this fraction of slots are pads or holes
 
@@ -50,6 +52,8 @@ class DecodeConfig:
             raise ValueError(f"gamma must be >= 1 (or None: auto), got {self.gamma}")
         if self.gamma_max < 1:
             raise ValueError(f"gamma_max must be >= 1, got {self.gamma_max}")
+        if self.ngram is not None and not 1 <= self.ngram[0] <= self.ngram[1]:
+            raise ValueError(f"ngram sizes need 1 <= n_min <= n_max, got {self.ngram}")
 
     def policy(self) -> GammaPolicy:
         """A fresh gamma policy for these settings (a job shares one across its batches)."""
@@ -108,20 +112,23 @@ class Tally:
     drafted: int = 0
     accepted: int = 0
     histogram: list[int] = field(init=False)  # accepted lengths 0..gamma_max (speculative steps)
-    gammas: list[int] = field(init=False)  # steps per gamma 0..gamma_max (0: plain steps)
+    gammas: list[int] = field(init=False)  # steps per number of proposals 0..gamma_max (0: plain steps)
+    sources: dict[str, int] = field(default_factory=lambda: {"model": 0, "ngram": 0})  # steps each proposed
 
     def __post_init__(self):
         self.histogram, self.gammas = [0] * (self.gamma_max + 1), [0] * (self.gamma_max + 1)
 
-    def add_step(self, gamma: int, n: int, draft_forwards: int, tokens: list[int]) -> None:
-        """A step with gamma proposals, n accepted, that appended `tokens` to the row."""
+    def add_step(self, proposed: int, source: str | None, n: int, draft_forwards: int, tokens: list[int]) -> None:
+        """A step in which the row had `proposed` proposals from `source`, accepted n and gained
+        `tokens`; the draft model ran draft_forwards times."""
         self.tokens += tokens
         self.target_forwards += 1
-        self.gammas[gamma] += 1
-        if gamma:
-            self.draft_forwards += draft_forwards
+        self.draft_forwards += draft_forwards
+        self.gammas[proposed] += 1
+        if proposed:
+            self.sources[source] += 1
             self.speculative_steps += 1
-            self.drafted += gamma
+            self.drafted += proposed
             self.accepted += n
             self.histogram[n] += 1
 
@@ -137,6 +144,8 @@ class Tally:
             "mean_accepted_length": self.accepted / self.speculative_steps if self.speculative_steps else None,
             "accepted_length_histogram": self.histogram if speculative else [],
             "gamma_histogram": self.gammas if speculative else [],
+            "model_steps": self.sources["model"],
+            "ngram_steps": self.sources["ngram"],
         }
         return RowOutput(self.tokens, "stop" if stopped else "length", stats)
 
@@ -168,16 +177,17 @@ def start_rows(row_ids, limits: list[int], seeds: list[int], config: DecodeConfi
     )
 
 
-def verify(target_kv: BatchKV, rows: Rows, draft_tokens, q, params: SamplingParams):
-    """The target scores [last, d_1..d_G] in one forward. Returns n [B] and next_token [B]."""
+def verify(target_kv: BatchKV, rows: Rows, proposal: Proposal, lengths: torch.Tensor | None, params: SamplingParams):
+    """The target scores [last, d_1..d_G] in one forward. lengths: [B] proposals per row (None:
+    all G). Returns n [B] and next_token [B]."""
+    draft_tokens, gamma = proposal.tokens, proposal.width
     inputs = torch.cat([rows.last[:, None], draft_tokens], dim=1)  # [B, G+1]
     logits = target_kv.forward(inputs, torch.ones_like(inputs))  # [B, G+1, V]
     if params.greedy:
-        return accept_greedy(logits, draft_tokens)
-    gamma = draft_tokens.shape[1]
+        return accept_greedy(logits, draft_tokens, lengths)
     p = probabilities(logits, params)  # [B, G+1, V]
-    q = q if q is not None else p.new_zeros(p.shape[0], 0, p.shape[-1])
-    return accept_sampled(p, q, draft_tokens, rows.uniform(ACCEPT, gamma), rows.uniform(NEXT, gamma + 1))
+    u_accept, u_next = rows.uniform(ACCEPT, gamma), rows.uniform(NEXT, gamma + 1)
+    return accept_sampled(p, proposal.q, draft_tokens, u_accept, u_next, lengths)
 
 
 def emit(rows: Rows, draft_tokens, n, next_token, eos_ids):
@@ -207,7 +217,8 @@ def split(values: list, sizes: list[int]) -> list[list]:
 
 
 class BatchDecoder:
-    """Decodes one static batch. target/draft: causal LMs on one device (draft None = autoregressive).
+    """Decodes one static batch. target/draft: causal LMs on one device; the draft proposes, or
+    with config.ngram n-gram lookup does (both: hybrid); neither: autoregressive.
 
     prompts: token ids per row, lengths may differ (each >= 1); row_ids: one id per row, which
     seeds its randomness with its seed (seeds, default: config.seed); max_new_tokens: a limit
@@ -236,7 +247,7 @@ class BatchDecoder:
         ids, mask = left_pad(prompts, device)  # [B, P]
         self.target_kv = BatchKV(target, len(prompts), device)
         vocab = target.get_output_embeddings().weight.shape[0]
-        self.drafter = ModelDrafter(draft, ids, mask, vocab) if draft is not None else None
+        self.drafter = make_drafter(draft, config.ngram, prompts, ids, mask, vocab)
         gamma_max = self.policy.gamma_max if self.drafter else 0
         self.rows = start_rows(row_ids, limits, seeds, config, gamma_max, device)
         self.rows.last = ids[:, -1]  # the last prompt token is fed by the first step, like any newest token
@@ -263,15 +274,16 @@ class BatchDecoder:
         behind = drafter.behind if drafter else 0
         gamma = self.policy.choose(B, self.expected) if drafter else 0
         if gamma:
-            u = None if params.greedy else rows.uniform(DRAFT, gamma)  # [B, G]
-            draft_tokens, q = drafter.propose(rows.last, gamma, params, u)
+            u = None if params.greedy else rows.uniform(DRAFT, gamma)  # [B, gamma]
+            proposal = drafter.propose(rows.last, gamma, params, u)
         else:
-            draft_tokens, q = rows.last.new_zeros(B, 0), None
-        n, next_token = verify(target_kv, rows, draft_tokens, q, params)
+            proposal = Proposal.none(rows.last)
+        gamma, draft_tokens, lengths = proposal.width, proposal.tokens, proposal.short_lengths()
+        n, next_token = verify(target_kv, rows, proposal, lengths, params)
         slots, empty_slots = target_kv.mask.numel(), (target_kv.mask == 0).sum()
         longest_row = (target_kv.mask.sum(-1) - (gamma - n)).max()  # valid slots after the rollback
         new, count, finished, stopped = emit(rows, draft_tokens, n, next_token, self.eos_ids)
-        expected = self.expected_tokens(n, gamma, finished) if drafter and self.policy.auto else n[:0]
+        expected = self.expected_tokens(n, lengths, gamma, finished) if drafter and self.policy.auto else n[:0]
         # the step's one host sync: the rows' new tokens and what the rollback, the eviction, the
         # compaction and the policy need
         sync = (n, count, finished, stopped, new.flatten(), torch.stack([empty_slots, longest_row]), expected)
@@ -282,19 +294,18 @@ class BatchDecoder:
         self.totals["slots"] += slots
         self.totals["empty_slots"] += int(empty_host)
         self.totals["verify_steps"] += 1
-        draft_forwards = drafter.forwards(gamma) if drafter else 0
+        blocks = [[int(t) for t in block[: int(k)]] for block, k in zip(split(new_host, [gamma + 1] * B), count_host)]
         for b, tally in enumerate(self.tallies):
-            block = new_host[b * (gamma + 1) : b * (gamma + 1) + int(count_host[b])]
-            tally.add_step(gamma, int(n_host[b]), draft_forwards, [int(t) for t in block])
+            tally.add_step(proposal.lengths[b], proposal.sources[b], int(n_host[b]), proposal.forwards, blocks[b])
         max_n = int(max(n_host))
         if drafter:
-            checked = sum(min(k + 1, gamma) for k in n_host)
+            checked_host = sum(min(k + 1, proposed) for k, proposed in zip(n_host, proposal.lengths))
             typical = self.totals["verify_steps"] > 1 and (gamma == 0 or behind <= 1)  # not the first, no catch-up
             seconds = time.perf_counter() - started if typical else None
-            self.policy.observe(B, gamma, int(sum(n_host)), int(checked), seconds)
+            self.policy.observe(B, gamma, int(sum(n_host)), int(checked_host), seconds)
             if gamma:
                 target_kv.rollback(n + 1, gamma + 1, max_n + 1)
-            drafter.verified(rows.last, draft_tokens, n, max_n)
+            drafter.verified(proposal, rows.last, n, max_n, blocks)
         rows.last = next_token
         if any(finished_host):
             self.evict(finished, finished_host, stopped_host)
@@ -304,12 +315,14 @@ class BatchDecoder:
                 drafter.compact()
             self.totals["compactions"] += 1
 
-    def expected_tokens(self, n: torch.Tensor, gamma: int, finished: torch.Tensor) -> torch.Tensor:
+    def expected_tokens(self, n: torch.Tensor, lengths: torch.Tensor | None, gamma: int,
+                        finished: torch.Tensor) -> torch.Tensor:
         """[G+1]: tokens the rows still live after this step are expected to yield per gamma,
-        each at its own alpha (updated with this step's n [B]) and remaining limit."""
+        each at its own alpha (updated with this step's n [B] of lengths [B] proposals, None:
+        gamma each) and remaining limit."""
         rows = self.rows
         if gamma:
-            checked = (n + 1).clamp(max=gamma)
+            checked = (n + 1).clamp(max=gamma) if lengths is None else torch.minimum(n + 1, lengths)  # [B]
             rows.seen = rows.seen * ROW_DECAY + torch.stack([n, checked], dim=1)
         alpha = row_alpha(rows.seen, self.policy.alpha)  # [B]
         per_row = expected_tokens(alpha, rows.limit - rows.produced, self.policy.gamma_max)  # [B, G+1]
@@ -322,12 +335,13 @@ class BatchDecoder:
             if done:
                 prompt = self.prompts[tally.index]
                 self.results[tally.index] = tally.output(len(prompt), bool(stopped), self.drafter is not None)
-        self.tallies = [tally for tally, done in zip(self.tallies, finished_host) if not done]
-        keep = torch.argsort(finished.to(torch.uint8), stable=True)[: len(self.tallies)]  # live rows, in order
+        kept = [b for b, done in enumerate(finished_host) if not done]
+        self.tallies = [self.tallies[b] for b in kept]
+        keep = torch.argsort(finished.to(torch.uint8), stable=True)[: len(kept)]  # kept, on the device
         self.rows.select(keep)
         self.target_kv.select(keep)
         if self.drafter:
-            self.drafter.select(keep)
+            self.drafter.select(keep, kept)
 
     def run(self) -> BatchOutput:
         while not self.done:

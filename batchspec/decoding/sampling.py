@@ -85,17 +85,25 @@ def first_rejection(accepted: torch.Tensor) -> torch.Tensor:
     return ((~accepted).cumsum(-1) == 0).sum(-1)
 
 
-def accept_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor):
+def accept_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor, lengths: torch.Tensor | None = None):
     """Greedy verification: keep proposals while they equal the target's argmax.
 
     target_logits: [B, G+1, V] (position i scores the token after input i)
     draft_tokens: [B, G]
+    lengths: [B] proposals per row (the rest of its G are padding); None: all G
     Returns n: [B] accepted count, next_token: [B] the target's argmax after the accepted prefix
-    (the correction at the first mismatch, or the bonus token when all G are accepted).
+    (the correction at the first mismatch, or the bonus token when all are accepted).
     """
     t = target_logits.argmax(-1)  # [B, G+1]
-    n = first_rejection(draft_tokens == t[:, :-1])  # [B]
+    n = first_rejection((draft_tokens == t[:, :-1]) & proposed(draft_tokens, lengths))  # [B]
     return n, t.gather(1, n[:, None]).squeeze(1)
+
+
+def proposed(draft_tokens: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor | bool:
+    """[B, G] bool: which slots hold a real proposal (True everywhere when lengths is None)."""
+    if lengths is None:
+        return True
+    return torch.arange(draft_tokens.shape[1], device=draft_tokens.device)[None, :] < lengths[:, None]
 
 
 def residual(p_n: torch.Tensor, q_n: torch.Tensor) -> torch.Tensor:
@@ -108,23 +116,31 @@ def residual(p_n: torch.Tensor, q_n: torch.Tensor) -> torch.Tensor:
     return torch.where(mass > 0, r / mass.clamp(min=torch.finfo(r.dtype).tiny), p_n)
 
 
-def accept_sampled(p, q, draft_tokens, u_accept, u_next):
+def accept_sampled(p, q, draft_tokens, u_accept, u_next, lengths=None):
     """Speculative sampling (Leviathan et al. 2023, Algorithm 1), all rows at once.
 
     p: [B, G+1, V] target probabilities at the G+1 verified positions
-    q: [B, G, V] draft probabilities the G proposals were drawn from
+    q: [B, G, V] draft probabilities the G proposals were drawn from; None: one-hot at the
+       proposals (a deterministic drafter, e.g. n-gram lookup)
     draft_tokens: [B, G]
     u_accept: [B, G] uniforms for the accept tests; u_next: [B, G+1] uniforms for the next token
+    lengths: [B] proposals per row (the rest of its G are padding, never accepted); None: all G
     Steps: accept proposal x with probability min(1, p(x)/q(x)); at the first rejection draw from
-    norm(max(0, p - q)); when all G are accepted draw the bonus token from p at position G+1.
+    norm(max(0, p - q)); when all of a row's proposals are accepted draw the bonus token from p at
+    the next position.
     Returns n: [B] accepted count, next_token: [B].
     """
     gamma = draft_tokens.shape[1]
     p_x = p[:, :gamma].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, G]
-    q_x = q.gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, G]
-    n = first_rejection(u_accept * q_x < p_x)  # u < p/q, i.e. with probability min(1, p/q)
+    q_x = q.gather(-1, draft_tokens[..., None]).squeeze(-1) if q is not None else torch.ones_like(p_x)  # [B, G]
+    n = first_rejection((u_accept * q_x < p_x) & proposed(draft_tokens, lengths))  # u < p/q: prob. min(1, p/q)
     rows = torch.arange(p.shape[0], device=p.device)
     p_n = p[rows, n]  # [B, V]
-    q_n = q[rows, n.clamp(max=gamma - 1)] * (n < gamma)[:, None] if gamma else torch.zeros_like(p_n)
+    if gamma:
+        at = n.clamp(max=gamma - 1)
+        q_n = q[rows, at] if q is not None else torch.nn.functional.one_hot(draft_tokens[rows, at], p.shape[-1])
+        q_n = q_n * (n < (gamma if lengths is None else lengths))[:, None]  # no proposal at n: q_n = 0
+    else:
+        q_n = torch.zeros_like(p_n)
     u = u_next.gather(1, n[:, None]).squeeze(1)  # [B]
-    return n, sample(residual(p_n, q_n), u)
+    return n, sample(residual(p_n, q_n.to(p_n.dtype)), u)

@@ -2,19 +2,38 @@
 
 A drafter keeps its own state (a draft model's KV cache, an n-gram index) in step with the
 batch's rows:
-  propose(last [B], gamma, params, u [B, G] | None) -> tokens [B, G], q [B, G, V] | None
-      gamma proposals per live row after its newest token `last` (not yet in any cache);
-      q: the (warped) distributions they were drawn from, None when greedy.
-  verified(last [B], tokens [B, G], n [B], max_n)
-      after the target's check of a step with G = tokens.shape[1] proposals (0: a plain step):
-      row b kept n[b] of them; max_n = n.max(), known on the host.
-  select(keep [B'])   finished rows leave.
+  propose(last [B], gamma, params, u [B, G] | None) -> Proposal
+      up to gamma proposals per live row after its newest token `last` (not yet in any cache);
+      u: uniforms for a sampled draft model.
+  verified(proposal, last [B], n [B], max_n, appended)
+      after the target's check of the step (Proposal.none(last) for a plain step): row b kept
+      n[b] of its proposals, max_n = n.max() (host), and appended[b] (host) are the tokens the
+      row gained: its accepted proposals and the correction or bonus token.
+  select(keep [B'], kept)  finished rows leave; kept: the same indices on the host.
   compact()           the target's cache was compacted; compact any cache of its own.
-  forwards(gamma)     draft forwards one proposal of gamma tokens takes (statistics).
   behind              tokens the drafter has not seen yet (host int): a step after which it
                       catches up is not a typical step to time.
+
+make_drafter picks the kind: a draft model, n-gram lookup (no model), or both (hybrid).
 """
 
-from batchspec.decoding.drafters.model import ModelDrafter
+import torch
 
-__all__ = ["ModelDrafter"]
+from batchspec.decoding.drafters.hybrid import HybridDrafter
+from batchspec.decoding.drafters.model import ModelDrafter
+from batchspec.decoding.drafters.ngram import NgramDrafter
+from batchspec.decoding.drafters.proposal import Proposal
+
+
+def make_drafter(draft, ngram: tuple[int, int] | None, prompts: list[list[int]], ids: torch.Tensor,
+                 mask: torch.Tensor, vocab: int):
+    """draft: a draft model or None; ngram: (n_min, n_max) for prompt lookup, or None. ids, mask:
+    [B, P] the left-padded prompts; vocab: the target's logit width. None: no drafter (ar)."""
+    model = ModelDrafter(draft, ids, mask, vocab) if draft is not None else None
+    lookup = NgramDrafter(prompts, *ngram, device=ids.device) if ngram else None
+    if model and lookup:
+        return HybridDrafter(model, lookup, vocab)
+    return model or lookup
+
+
+__all__ = ["HybridDrafter", "ModelDrafter", "NgramDrafter", "Proposal", "make_drafter"]

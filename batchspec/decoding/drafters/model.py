@@ -2,14 +2,16 @@
 
 The draft's cache lags the target's by the tokens it has not run through itself yet: the prompt
 at first, then its last proposal after a fully accepted step, and every token of the steps
-taken without speculation (gamma 0). Those are `owed`, right-aligned ([B, K], a 0 in
-`owed_mask` where a row owes fewer), and ride in the next proposal's first forward, ahead of the
-newest token: one batched forward catches the draft up however long it sat out, and a batch
-that never speculates never runs the draft at all.
+taken without it (gamma 0, or a hybrid step where every row took the n-gram's proposal), and
+the accepted tokens of rows whose proposal came from elsewhere. Those are `owed` ([B, K], a 0 in
+`owed_mask` where a row owes fewer: a hole), and ride in the next proposal's first forward, ahead
+of the newest token: one batched forward catches the draft up however long it sat out, and a
+batch that never speculates never runs the draft at all.
 """
 
 import torch
 
+from batchspec.decoding.drafters.proposal import Proposal, on_device
 from batchspec.decoding.kv_cache import BatchKV
 from batchspec.decoding.sampling import SamplingParams, probabilities, sample
 
@@ -30,18 +32,13 @@ class ModelDrafter:
         self.vocab = vocab
         self.owed, self.owed_mask = ids[:, :-1], mask[:, :-1]  # [B, P-1]
 
-    @staticmethod
-    def forwards(gamma: int) -> int:
-        """Draft forwards a proposal of gamma tokens takes."""
-        return gamma
-
     @property
     def behind(self) -> int:
         """Slots of owed tokens the next proposal must first feed (host int)."""
         return self.owed.shape[1]
 
-    def propose(self, last: torch.Tensor, gamma: int, params: SamplingParams, u: torch.Tensor | None):
-        """G = gamma forwards; the first also feeds the owed tokens. Returns tokens [B, G] and q
+    def propose(self, last: torch.Tensor, gamma: int, params: SamplingParams, u: torch.Tensor | None) -> Proposal:
+        """G = gamma forwards; the first also feeds the owed tokens. Proposes tokens [B, G] and q
         [B, G, V] (None when greedy). u: [B, G] uniforms for sampled drafts."""
         ones = torch.ones_like(last)[:, None]  # [B, 1]
         ids = torch.cat([self.owed, last[:, None]], dim=1)  # [B, K+1]
@@ -56,22 +53,40 @@ class ModelDrafter:
                 x = sample(qs[-1], u[:, i])
             tokens.append(x)
             ids, mask = x[:, None], ones
-        return torch.stack(tokens, dim=1), (torch.stack(qs, dim=1) if qs else None)
+        B = last.shape[0]
+        q = torch.stack(qs, dim=1) if qs else None
+        return Proposal(torch.stack(tokens, dim=1), q, [gamma] * B, ["model"] * B, forwards=gamma)
 
-    def verified(self, last: torch.Tensor, tokens: torch.Tensor, n: torch.Tensor, max_n: int) -> None:
+    def verified(self, proposal: Proposal, last: torch.Tensor, n: torch.Tensor, max_n: int, appended) -> None:
         """Cut the draft cache to each row's accepted prefix and note what it now owes."""
-        gamma = tokens.shape[1]
-        if gamma == 0:  # a plain step: `last` went into the target's cache only
-            self.owed = torch.cat([self.owed, last[:, None]], dim=1)
-            self.owed_mask = torch.cat([self.owed_mask, torch.ones_like(last)[:, None]], dim=1)
+        tokens, gamma = proposal.tokens, proposal.width
+        if not proposal.forwards:  # the draft sat out: it owes `last` and each row's accepted proposals
+            slot = torch.arange(max_n, device=n.device)  # [K]
+            self.owe(torch.cat([last[:, None], tokens[:, :max_n]], dim=1),
+                     torch.cat([torch.ones_like(last)[:, None], (slot < n[:, None]).long()], dim=1))
             return
-        # the draft ran last, d_1..d_{G-1}: a row keeps last, d_1..d_n (all of them when n = G)
-        self.kv.rollback((n + 1).clamp(max=gamma), gamma, min(max_n + 1, gamma))
-        owes = max_n == gamma  # some row accepted everything: d_G is not in the draft cache
-        self.owed = tokens[:, gamma - 1 : gamma if owes else gamma - 1]  # [B, 1] or [B, 0]
-        self.owed_mask = (n == gamma).long()[:, None][:, : int(owes)]
+        # the draft ran last, d_1..d_{G-1}: a row of its own keeps last, d_1..d_n (all of them when
+        # n = G) and owes d_G if it kept it; a row that took a proposal from elsewhere keeps `last`
+        # and owes its accepted d_1..d_n
+        others = [source != "model" for source in proposal.sources]
+        own = ~on_device(others, n.device, torch.bool) if any(others) else None  # [B]
+        keep = (n + 1).clamp(max=gamma)  # [B]
+        first = gamma - 1 if own is None else 0  # the first proposal any row may owe
+        if own is not None:
+            keep = torch.where(own, keep, 1)
+        self.kv.rollback(keep, gamma, min(max_n + 1, gamma))
+        slot = torch.arange(first, max(first, max_n), device=n.device)  # [K]
+        owed_mask = (slot[None, :] == gamma - 1) & (n == gamma)[:, None]  # [B, K]
+        if own is not None:
+            owed_mask = torch.where(own[:, None], owed_mask, slot[None, :] < n[:, None])
+        self.owed, self.owed_mask = tokens[:, first : first + len(slot)], owed_mask.long()
 
-    def select(self, keep: torch.Tensor) -> None:
+    def owe(self, tokens: torch.Tensor, mask: torch.Tensor) -> None:
+        """Add tokens [B, K] (mask [B, K]) to what the next forward must first feed."""
+        self.owed = torch.cat([self.owed, tokens], dim=1)
+        self.owed_mask = torch.cat([self.owed_mask, mask], dim=1)
+
+    def select(self, keep: torch.Tensor, kept: list[int]) -> None:
         self.kv.select(keep)
         self.owed, self.owed_mask = self.owed[keep], self.owed_mask[keep]
 

@@ -1,0 +1,51 @@
+"""N-gram lookup where a row's context has a match, the draft model elsewhere.
+
+A lookup costs next to nothing and, where the output copies its input, is accepted far more
+often than a small model's guess; the model covers the rows that copy nothing. When every row
+has a match the model sits out the step and owes the accepted tokens (ModelDrafter catches up
+in its next forward); when it runs, rows that took the lookup's proposal keep only `last` in
+the draft cache and owe their accepted tokens likewise, so the cache holds each row's true
+context either way.
+"""
+
+import torch
+
+from batchspec.decoding.drafters.model import ModelDrafter
+from batchspec.decoding.drafters.ngram import NgramDrafter
+from batchspec.decoding.drafters.proposal import Proposal, on_device
+
+
+class HybridDrafter:
+    def __init__(self, model: ModelDrafter, ngram: NgramDrafter, vocab: int):
+        self.model, self.ngram, self.vocab = model, ngram, vocab
+
+    @property
+    def behind(self) -> int:
+        return self.model.behind
+
+    def propose(self, last: torch.Tensor, gamma: int, params, u) -> Proposal:
+        looked = self.ngram.propose(last, gamma, params, u)
+        if all(looked.lengths):  # every row has a match
+            return looked
+        drafted = self.model.propose(last, gamma, params, u)
+        matched = on_device([k > 0 for k in looked.lengths], last.device, torch.bool)[:, None]  # [B, 1]
+        tokens = drafted.tokens.clone()  # [B, G]
+        tokens[:, : looked.width] = torch.where(matched, looked.tokens, tokens[:, : looked.width])
+        q = drafted.q
+        if q is not None:  # a looked-up proposal is certain: q one-hot
+            one_hot = torch.nn.functional.one_hot(tokens, self.vocab).to(q.dtype)  # [B, G, V]
+            q = torch.where(matched[:, :, None], one_hot, q)
+        lengths = [k or gamma for k in looked.lengths]
+        sources = [source or "model" for source in looked.sources]
+        return Proposal(tokens, q, lengths, sources, drafted.forwards)
+
+    def verified(self, proposal: Proposal, last, n, max_n: int, appended: list[list[int]]) -> None:
+        self.ngram.verified(proposal, last, n, max_n, appended)
+        self.model.verified(proposal, last, n, max_n, appended)
+
+    def select(self, keep: torch.Tensor, kept: list[int]) -> None:
+        self.ngram.select(keep, kept)
+        self.model.select(keep, kept)
+
+    def compact(self) -> None:
+        self.model.compact()

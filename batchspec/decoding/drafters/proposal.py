@@ -1,0 +1,38 @@
+"""What a drafter hands the target for one step."""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Proposal:
+    """Up to G proposals per row. A row may propose fewer (an n-gram lookup without a match
+    proposes none): its slots past `lengths[b]` are padding, verified but never accepted."""
+
+    tokens: torch.Tensor  # [B, G] d_1..d_G per row
+    q: torch.Tensor | None  # [B, G, V] the draft's probabilities; None: one-hot at tokens (or greedy)
+    lengths: list[int]  # host: proposals per row, each <= G
+    sources: list[str | None]  # host: per row "model", "ngram", or None (proposed nothing)
+    forwards: int = 0  # draft model forwards it took (0: the draft model sat out)
+
+    @classmethod
+    def none(cls, last: torch.Tensor) -> "Proposal":
+        """A plain step's: nothing proposed. last: [B]."""
+        B = last.shape[0]
+        return cls(last.new_zeros(B, 0), None, [0] * B, [None] * B)
+
+    @property
+    def width(self) -> int:
+        return self.tokens.shape[1]
+
+    def short_lengths(self) -> torch.Tensor | None:
+        """lengths on the device ([B]), or None when every row proposes all G."""
+        if all(k == self.width for k in self.lengths):
+            return None
+        return on_device(self.lengths, self.tokens.device)
+
+
+def on_device(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A host list as a device tensor: a copy that does not wait for the device."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
