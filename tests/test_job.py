@@ -54,7 +54,7 @@ def setup(tiny_pair, tmp_path_factory):
     target, draft = tiny_pair("llama")
     # a fixed gamma: --gamma auto chooses by timing, so its per-row statistics differ run to run
     models = ["--target", str(target), "--draft", str(draft), "--gamma", "3", "--max-new-tokens", "24",
-              "--batch-size", "2", "--no-progress", "--token-ids"]
+              "--batch-size", "8", "--no-progress", "--token-ids"]
     source = write_input(root / "in.jsonl")
     reference = root / "reference.jsonl"
     result = run_cli(str(source), "--out", str(reference), *models)
