@@ -68,7 +68,8 @@ class Unhonored:
         return any(value == o and isinstance(value, bool) == isinstance(o, bool) for o in self.off)
 
 
-HONORED_KEYS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed"}  # request_options
+HONORED_KEYS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
+                "stop_token_ids"}  # request_options
 NO_EFFECT_KEYS = {"model", "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
                   "stream_options", "parallel_tool_calls"}  # any value: no effect (stream and tools are refused)
 UNHONORED = {
@@ -76,7 +77,6 @@ UNHONORED = {
     "best_of": Unhonored(integers(1), (1,)),
     "use_beam_search": Unhonored(BOOLEAN, (False,)),
     "stop": Unhonored(STOP, ([],)),
-    "stop_token_ids": Unhonored(TOKEN_IDS, ([],)),
     "include_stop_str_in_output": Unhonored(BOOLEAN, (False,)),
     "ignore_eos": Unhonored(BOOLEAN, (False,)),
     "min_tokens": Unhonored(integers(0), (0,)),
@@ -164,4 +164,9 @@ def request_options(body: dict) -> dict:
         if not is_int(seed):
             raise ValueError("seed must be an integer")
         options["seed"] = seed
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None:
+        if not TOKEN_IDS.test(stop_ids):
+            raise ValueError(f"stop_token_ids must be {TOKEN_IDS.must_be}")
+        options["stop_token_ids"] = stop_ids
     return options

@@ -109,6 +109,10 @@ def request(custom_id, body, url="/v1/chat/completions"):
 
 def test_openai_batch_rows_with_per_row_options(tiny_pair, models, tmp_path):
     chat = [{"role": "user", "content": "the cat sat on a mat"}]
+    pair = load_pair(models[1], dtype="float32", device="cpu")
+    ids = torch.tensor([list(pair.tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False))])
+    full = pair.target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=10,
+                                pad_token_id=0)[0, ids.shape[1] :].tolist()
     source = tmp_path / "batch.jsonl"
     source.write_bytes(
         request("short", {"model": "m", "messages": chat, "max_tokens": 3})
@@ -118,21 +122,18 @@ def test_openai_batch_rows_with_per_row_options(tiny_pair, models, tmp_path):
         + request("top1", {"model": "m", "messages": chat, "temperature": 1.0, "seed": 7, "max_tokens": 10, "top_k": 1})
         + request("bad", {"model": "m", "messages": chat, "max_tokens": -1})
         + request("stop", {"model": "m", "messages": chat, "max_tokens": 10, "stop": "."})
+        + request("stopid", {"model": "m", "messages": chat, "max_tokens": 10, "stop_token_ids": [full[4]]})
         + request("embed", {"model": "m", "input": "x"}, url="/v1/embeddings")
     )
     out = tmp_path / "out.jsonl"
     result = run_cli(str(source), "--out", str(out), *models, "--output-format", "openai")
     assert result.returncode == 3, result.stderr
     by_id = {r["custom_id"]: r for r in records(out)}
-    assert set(by_id) == {"short", "long", "text", "hot", "top1"}
+    assert set(by_id) == {"short", "long", "text", "hot", "top1", "stopid"}
     errors = {e["id"]: e["error"] for e in records(tmp_path / "out.errors.jsonl")}
     assert {i: e["type"] for i, e in errors.items()} == dict.fromkeys(("bad", "stop", "embed"), "invalid_request")
     assert errors["stop"]["message"].startswith("'stop' is not supported by batchspec yet")
 
-    pair = load_pair(models[1], dtype="float32", device="cpu")
-    ids = torch.tensor([list(pair.tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False))])
-    full = pair.target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=10,
-                                pad_token_id=0)[0, ids.shape[1] :].tolist()
     for name, limit in (("short", 3), ("long", 10)):  # batch mates with different max_tokens
         body = by_id[name]["response"]["body"]
         assert body["batchspec"]["token_ids"] == full[:limit]
@@ -148,6 +149,9 @@ def test_openai_batch_rows_with_per_row_options(tiny_pair, models, tmp_path):
     hot = by_id["hot"]["response"]["body"]["batchspec"]["token_ids"]
     assert hot != full  # sampled at the row's own temperature, not greedy
     assert by_id["top1"]["response"]["body"]["batchspec"]["token_ids"] == full  # its own top_k 1: the greedy tokens
+    stopped = by_id["stopid"]["response"]["body"]
+    assert stopped["batchspec"]["token_ids"] == full[: full.index(full[4]) + 1]  # its own stop id ends it, kept
+    assert stopped["choices"][0]["finish_reason"] == "stop"
     again = tmp_path / "again.jsonl"
     assert run_cli(str(source), "--out", str(again), *models, "--output-format", "openai").returncode == 3
     hot_again = {r["custom_id"]: r for r in records(again)}["hot"]["response"]["body"]["batchspec"]["token_ids"]

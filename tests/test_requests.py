@@ -46,7 +46,7 @@ def test_keys_that_cannot_change_the_output_are_accepted(body):
 
 REFUSED = [  # valid values of keys batchspec does not honor yet
     ("n", 2), ("best_of", 3), ("use_beam_search", True), ("stop", "."), ("stop", ""), ("stop", ["a", "b"]),
-    ("stop_token_ids", [2]), ("include_stop_str_in_output", True), ("ignore_eos", True), ("min_tokens", 3),
+    ("include_stop_str_in_output", True), ("ignore_eos", True), ("min_tokens", 3),
     ("logprobs", True), ("logprobs", 0), ("top_logprobs", 5), ("frequency_penalty", 0.5), ("presence_penalty", -1),
     ("repetition_penalty", 1.1), ("logit_bias", {"50256": -100}), ("min_p", 0.05), ("skip_special_tokens", False),
     ("echo", True), ("suffix", ""), ("response_format", {"type": "json_object"}),
@@ -108,6 +108,11 @@ def test_a_completion_request_takes_no_messages():
 def test_plain_rows_keep_other_fields_as_data():
     item = parse_line(b'{"id": 1, "prompt": "x", "stop": ".", "temprature": 2, "n": 0}', 1, Fields())
     assert isinstance(item, Row) and item.options == {} and item.fields["stop"] == "."
+
+
+def test_stop_token_ids_are_honored_per_row():
+    assert [parse(stop_token_ids=ids).options for ids in ([5, 7], [], None)] == [
+        {"stop_token_ids": [5, 7]}, {"stop_token_ids": []}, {}]
 
 
 def test_top_k_is_honored_per_row_and_batches_rows_apart():

@@ -88,6 +88,7 @@ class Rows:
     limit: torch.Tensor  # [B] the row's max_new_tokens
     uniforms: torch.Tensor  # [B, W, 3] per-row uniforms by output position and stream (W = limit + G + 1)
     seen: torch.Tensor  # [B, 2] decayed accepted and checked proposals (the row's alpha, auto)
+    stop_ids: torch.Tensor  # [B, K] ids that end the row like EOS (the EOS ids and its own), -1: none
 
     def select(self, keep: torch.Tensor) -> None:
         for f in fields(self):
@@ -161,7 +162,17 @@ def left_pad(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tens
     return ids.to(device), mask.to(device)
 
 
-def start_rows(row_ids, limits: list[int], seeds: list[int], config: DecodeConfig, gamma_max: int, device) -> Rows:
+def stop_table(eos_ids: tuple[int, ...], stop_ids: list[list[int]]) -> torch.Tensor:
+    """[B, K]: each row's EOS ids and its own stop ids, padded with -1 (never a token)."""
+    rows = [list(dict.fromkeys([*eos_ids, *ids])) for ids in stop_ids]
+    table = torch.full((len(rows), max(map(len, rows), default=0)), -1, dtype=torch.long)
+    for b, ids in enumerate(rows):
+        table[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    return table
+
+
+def start_rows(row_ids, limits: list[int], seeds: list[int], stop_ids: list[list[int]], config: DecodeConfig,
+               gamma_max: int, device) -> Rows:
     B, width = len(row_ids), max(limits) + gamma_max + 1
     if config.sampling.greedy:  # no randomness needed
         uniforms = torch.empty(B, 0, 3, dtype=torch.float64)
@@ -174,6 +185,7 @@ def start_rows(row_ids, limits: list[int], seeds: list[int], config: DecodeConfi
         limit=torch.tensor(limits, dtype=torch.long, device=device),
         uniforms=uniforms.to(device),
         seen=torch.zeros(B, 2, device=device),
+        stop_ids=stop_table(config.eos_token_ids, stop_ids).to(device),
     )
 
 
@@ -190,8 +202,9 @@ def verify(target_kv: BatchKV, rows: Rows, proposal: Proposal, lengths: torch.Te
     return accept_sampled(p, proposal.q, draft_tokens, u_accept, u_next, lengths)
 
 
-def emit(rows: Rows, draft_tokens, n, next_token, eos_ids):
-    """The block each row appends: d_1..d_n, next_token, cut at the first EOS id or at the row's limit.
+def emit(rows: Rows, draft_tokens, n, next_token):
+    """The block each row appends: d_1..d_n, next_token, cut at the first of its stop ids (EOS) or
+    at the row's limit.
 
     Returns new [B, G+1] (a row's first count[b] are its tokens, the rest scratch), count [B],
     finished [B] bool and stopped [B] bool (finished on an EOS id).
@@ -201,7 +214,7 @@ def emit(rows: Rows, draft_tokens, n, next_token, eos_ids):
     new.scatter_(1, n[:, None], next_token[:, None])  # d_1..d_n, next_token, then scratch
     slot = torch.arange(gamma + 1, device=n.device)  # [G+1]
     count = torch.minimum(n + 1, rows.limit - rows.produced)  # [B]
-    is_eos = torch.isin(new, eos_ids) & (slot[None, :] < count[:, None])
+    is_eos = (new[:, :, None] == rows.stop_ids[:, None, :]).any(-1) & (slot[None, :] < count[:, None])
     stopped = is_eos.any(-1)
     count = torch.where(stopped, is_eos.int().argmax(-1) + 1, count)
     rows.produced += count
@@ -222,8 +235,9 @@ class BatchDecoder:
 
     prompts: token ids per row, lengths may differ (each >= 1); row_ids: one id per row, which
     seeds its randomness with its seed (seeds, default: config.seed); max_new_tokens: a limit
-    per row (default: config.max_new_tokens); policy: the gamma policy, shared by the batches of
-    a run (default: a fresh one from config).
+    per row (default: config.max_new_tokens); stop_token_ids: per row, ids that end it like an
+    EOS id (default: none beyond config.eos_token_ids); policy: the gamma policy, shared by the
+    batches of a run (default: a fresh one from config).
     Greedy output equals `target.generate(do_sample=False)` on each row alone; sampled output
     follows the target's own sampling distribution.
     """
@@ -231,11 +245,12 @@ class BatchDecoder:
     @torch.inference_mode()
     def __init__(self, target, draft, prompts: list[list[int]], row_ids: list, config: DecodeConfig,
                  max_new_tokens: list[int] | None = None, seeds: list[int] | None = None,
-                 policy: GammaPolicy | None = None):
+                 policy: GammaPolicy | None = None, stop_token_ids: list[list[int]] | None = None):
         limits = max_new_tokens or [config.max_new_tokens] * len(prompts)
         seeds = seeds or [config.seed] * len(prompts)
-        if not prompts or not len(prompts) == len(row_ids) == len(limits) == len(seeds):
-            raise ValueError("need one row id (and limit and seed) per prompt and at least one prompt")
+        stop_ids = stop_token_ids or [[] for _ in prompts]
+        if not prompts or not len(prompts) == len(row_ids) == len(limits) == len(seeds) == len(stop_ids):
+            raise ValueError("need one row id (and limit, seed and stop ids) per prompt and at least one prompt")
         if min(limits) < 1:
             raise ValueError("every row's max_new_tokens must be >= 1")
         if any(len(p) == 0 for p in prompts):
@@ -243,13 +258,12 @@ class BatchDecoder:
         self.config, self.prompts = config, prompts
         self.policy = policy or config.policy()
         device = target.device
-        self.eos_ids = torch.tensor(config.eos_token_ids, dtype=torch.long, device=device)
         ids, mask = left_pad(prompts, device)  # [B, P]
         self.target_kv = BatchKV(target, len(prompts), device)
         vocab = target.get_output_embeddings().weight.shape[0]
         self.drafter = make_drafter(draft, config.ngram, prompts, ids, mask, vocab)
         gamma_max = self.policy.gamma_max if self.drafter else 0
-        self.rows = start_rows(row_ids, limits, seeds, config, gamma_max, device)
+        self.rows = start_rows(row_ids, limits, seeds, stop_ids, config, gamma_max, device)
         self.rows.last = ids[:, -1]  # the last prompt token is fed by the first step, like any newest token
         self.tallies = [Tally(b, gamma_max) for b in range(len(prompts))]  # the live rows, in batch order
         if ids.shape[1] > 1:
@@ -282,7 +296,7 @@ class BatchDecoder:
         n, next_token = verify(target_kv, rows, proposal, lengths, params)
         slots, empty_slots = target_kv.mask.numel(), (target_kv.mask == 0).sum()
         longest_row = (target_kv.mask.sum(-1) - (gamma - n)).max()  # valid slots after the rollback
-        new, count, finished, stopped = emit(rows, draft_tokens, n, next_token, self.eos_ids)
+        new, count, finished, stopped = emit(rows, draft_tokens, n, next_token)
         expected = self.expected_tokens(n, lengths, gamma, finished) if drafter and self.policy.auto else n[:0]
         # the step's one host sync: the rows' new tokens and what the rollback, the eviction, the
         # compaction and the policy need
@@ -362,6 +376,6 @@ class BatchDecoder:
 
 def decode_batch(target, draft, prompts: list[list[int]], row_ids: list, config: DecodeConfig,
                  max_new_tokens: list[int] | None = None, seeds: list[int] | None = None,
-                 policy: GammaPolicy | None = None) -> BatchOutput:
+                 policy: GammaPolicy | None = None, stop_token_ids: list[list[int]] | None = None) -> BatchOutput:
     """Decode one static batch; see BatchDecoder."""
-    return BatchDecoder(target, draft, prompts, row_ids, config, max_new_tokens, seeds, policy).run()
+    return BatchDecoder(target, draft, prompts, row_ids, config, max_new_tokens, seeds, policy, stop_token_ids).run()
