@@ -61,14 +61,16 @@ def encoder(cfg: RunConfig, tokenizer, context: int | None):
 
 def decode(pair, batch: Batch, config: DecodeConfig, policy: GammaPolicy, stop: StopSignals):
     """One batch through the decoder, with its rows' own options (OpenAI-batch requests): their
-    temperature/top_p/top_k (shared within a batch), max_new_tokens, seed and stop_token_ids. The gamma policy is
+    temperature/top_p/top_k (shared within a batch), max_new_tokens, seed, stop_token_ids and
+    ignore_eos. The gamma policy is
     the run's: what it measured carries over from batch to batch. None when a stop signal came
     first."""
     options = batch.rows[0].options
     sampling = replace(config.sampling, **{k: options[k] for k in ("temperature", "top_p", "top_k") if k in options})
     limits = [r.options.get("max_new_tokens", config.max_new_tokens) for r in batch.rows]
     seeds = [r.options.get("seed", config.seed) for r in batch.rows]
-    stop_ids = [r.options.get("stop_token_ids", []) for r in batch.rows]
+    stop_ids = [[*(() if r.options.get("ignore_eos") else config.eos_token_ids), *r.options.get("stop_token_ids", [])]
+                for r in batch.rows]
     decoder = BatchDecoder(pair.target, pair.draft, batch.prompts, [r.id for r in batch.rows],
                            replace(config, sampling=sampling), max_new_tokens=limits, seeds=seeds, policy=policy,
                            stop_token_ids=stop_ids)

@@ -69,7 +69,7 @@ class Unhonored:
 
 
 HONORED_KEYS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
-                "stop_token_ids"}  # request_options
+                "stop_token_ids", "ignore_eos"}  # request_options
 NO_EFFECT_KEYS = {"model", "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
                   "stream_options", "parallel_tool_calls"}  # any value: no effect (stream and tools are refused)
 UNHONORED = {
@@ -78,7 +78,6 @@ UNHONORED = {
     "use_beam_search": Unhonored(BOOLEAN, (False,)),
     "stop": Unhonored(STOP, ([],)),
     "include_stop_str_in_output": Unhonored(BOOLEAN, (False,)),
-    "ignore_eos": Unhonored(BOOLEAN, (False,)),
     "min_tokens": Unhonored(integers(0), (0,)),
     "logprobs": Unhonored(LOGPROBS, (False,)),
     "top_logprobs": Unhonored(LOGPROBS_COUNT, (0,)),
@@ -169,4 +168,9 @@ def request_options(body: dict) -> dict:
         if not TOKEN_IDS.test(stop_ids):
             raise ValueError(f"stop_token_ids must be {TOKEN_IDS.must_be}")
         options["stop_token_ids"] = stop_ids
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos is not None:
+        if not BOOLEAN.test(ignore_eos):
+            raise ValueError(f"ignore_eos must be {BOOLEAN.must_be}")
+        options["ignore_eos"] = ignore_eos
     return options

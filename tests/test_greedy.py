@@ -114,19 +114,22 @@ def test_lookup_greedy_equals_target_alone(case, drafter, gamma):
 
 @pytest.mark.parametrize("draft", ["model", "ar"])
 def test_per_row_stop_token_ids_end_rows_like_eos(case, draft):
-    """Each row's own stop ids end it as EOS does (the id kept), beside rows with other ids and
-    rows with none: generate with those ids added to the EOS ids, row by row."""
+    """Each row's own stop ids end it as EOS does (the id kept), beside rows with other ids, rows
+    with none and rows that ignore EOS: generate with the row's ids as its EOS ids, row by row."""
     family, pair, prompts, expected = case
     at = itertools.cycle([3, 9, 20, MAX_NEW])  # the id at that position, mid-row (or none: MAX_NEW)
     stop_ids = [[row[k]] if k < len(row) - 1 else [] for row, k in zip(expected, at)]
     longest = max(range(len(expected)), key=lambda b: len(expected[b]))
     stop_ids[longest] = [expected[longest][5], expected[longest][2]]  # two ids: the first met ends the row
+    stop_ids = [[*pair.eos_token_ids, *ids] for ids in stop_ids]
+    stop_ids[-1] = stop_ids[-2] = []  # rows that ignore EOS (and have no stop ids)
     config = DecodeConfig(max_new_tokens=MAX_NEW, eos_token_ids=pair.eos_token_ids, gamma=3)
     out = decode_batch(pair.target, pair.draft if draft == "model" else None, prompts, list(range(len(prompts))),
                        config, stop_token_ids=stop_ids)
-    wanted = [reference(pair.target, p, [*pair.eos_token_ids, *ids]) for p, ids in zip(prompts, stop_ids)]
+    wanted = [reference(pair.target, p, ids) for p, ids in zip(prompts, stop_ids)]
     assert [r.token_ids for r in out.rows] == wanted
     assert sum(len(w) < len(e) for w, e in zip(wanted, expected)) >= 3  # the stop ids cut rows short
+    assert any(len(w) > len(e) for w, e in zip(wanted[-2:], expected[-2:]))  # a row ran past its EOS
     assert all(r.finish_reason == "stop" for r, ids in zip(out.rows, stop_ids) if r.token_ids[-1] in ids)
 
 

@@ -123,13 +123,14 @@ def test_openai_batch_rows_with_per_row_options(tiny_pair, models, tmp_path):
         + request("bad", {"model": "m", "messages": chat, "max_tokens": -1})
         + request("stop", {"model": "m", "messages": chat, "max_tokens": 10, "stop": "."})
         + request("stopid", {"model": "m", "messages": chat, "max_tokens": 10, "stop_token_ids": [full[4]]})
+        + request("noeos", {"model": "m", "messages": chat, "max_tokens": 10, "ignore_eos": True})
         + request("embed", {"model": "m", "input": "x"}, url="/v1/embeddings")
     )
     out = tmp_path / "out.jsonl"
     result = run_cli(str(source), "--out", str(out), *models, "--output-format", "openai")
     assert result.returncode == 3, result.stderr
     by_id = {r["custom_id"]: r for r in records(out)}
-    assert set(by_id) == {"short", "long", "text", "hot", "top1", "stopid"}
+    assert set(by_id) == {"short", "long", "text", "hot", "top1", "stopid", "noeos"}
     errors = {e["id"]: e["error"] for e in records(tmp_path / "out.errors.jsonl")}
     assert {i: e["type"] for i, e in errors.items()} == dict.fromkeys(("bad", "stop", "embed"), "invalid_request")
     assert errors["stop"]["message"].startswith("'stop' is not supported by batchspec yet")
@@ -152,6 +153,9 @@ def test_openai_batch_rows_with_per_row_options(tiny_pair, models, tmp_path):
     stopped = by_id["stopid"]["response"]["body"]
     assert stopped["batchspec"]["token_ids"] == full[: full.index(full[4]) + 1]  # its own stop id ends it, kept
     assert stopped["choices"][0]["finish_reason"] == "stop"
+    unstopped = by_id["noeos"]["response"]["body"]  # runs to max_tokens, through any EOS
+    assert unstopped["batchspec"]["token_ids"][: len(full)] == full and unstopped["usage"]["completion_tokens"] == 10
+    assert unstopped["choices"][0]["finish_reason"] == "length"
     again = tmp_path / "again.jsonl"
     assert run_cli(str(source), "--out", str(again), *models, "--output-format", "openai").returncode == 3
     hot_again = {r["custom_id"]: r for r in records(again)}["hot"]["response"]["body"]["batchspec"]["token_ids"]

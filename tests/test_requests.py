@@ -46,7 +46,7 @@ def test_keys_that_cannot_change_the_output_are_accepted(body):
 
 REFUSED = [  # valid values of keys batchspec does not honor yet
     ("n", 2), ("best_of", 3), ("use_beam_search", True), ("stop", "."), ("stop", ""), ("stop", ["a", "b"]),
-    ("include_stop_str_in_output", True), ("ignore_eos", True), ("min_tokens", 3),
+    ("include_stop_str_in_output", True), ("min_tokens", 3),
     ("logprobs", True), ("logprobs", 0), ("top_logprobs", 5), ("frequency_penalty", 0.5), ("presence_penalty", -1),
     ("repetition_penalty", 1.1), ("logit_bias", {"50256": -100}), ("min_p", 0.05), ("skip_special_tokens", False),
     ("echo", True), ("suffix", ""), ("response_format", {"type": "json_object"}),
@@ -79,7 +79,7 @@ INVALID = [  # checked before support: a bad value is named as such
     ("logit_bias", {"x": 1}), ("logit_bias", {"5": 101}), ("logit_bias", {"5": "1"}), ("min_p", 1.5),
     ("repetition_penalty", 0), ("min_tokens", -1), ("stop_token_ids", [1, "2"]), ("stop_token_ids", 3),
     ("response_format", {"type": "yaml"}), ("response_format", "json"), ("stream", "no"), ("tools", {}),
-    ("top_k", -2), ("top_k", 1.5), ("top_k", "5"),
+    ("top_k", -2), ("top_k", 1.5), ("top_k", "5"), ("ignore_eos", "yes"), ("ignore_eos", 1),
 ]
 
 
@@ -110,9 +110,11 @@ def test_plain_rows_keep_other_fields_as_data():
     assert isinstance(item, Row) and item.options == {} and item.fields["stop"] == "."
 
 
-def test_stop_token_ids_are_honored_per_row():
+def test_stop_token_ids_and_ignore_eos_are_honored_per_row():
     assert [parse(stop_token_ids=ids).options for ids in ([5, 7], [], None)] == [
         {"stop_token_ids": [5, 7]}, {"stop_token_ids": []}, {}]
+    assert [parse(ignore_eos=v).options for v in (True, False, None)] == [
+        {"ignore_eos": True}, {"ignore_eos": False}, {}]
 
 
 def test_top_k_is_honored_per_row_and_batches_rows_apart():

@@ -88,7 +88,7 @@ class Rows:
     limit: torch.Tensor  # [B] the row's max_new_tokens
     uniforms: torch.Tensor  # [B, W, 3] per-row uniforms by output position and stream (W = limit + G + 1)
     seen: torch.Tensor  # [B, 2] decayed accepted and checked proposals (the row's alpha, auto)
-    stop_ids: torch.Tensor  # [B, K] ids that end the row like EOS (the EOS ids and its own), -1: none
+    stop_ids: torch.Tensor  # [B, K] ids that end the row (its EOS ids and stop ids), -1: none
 
     def select(self, keep: torch.Tensor) -> None:
         for f in fields(self):
@@ -162,9 +162,9 @@ def left_pad(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tens
     return ids.to(device), mask.to(device)
 
 
-def stop_table(eos_ids: tuple[int, ...], stop_ids: list[list[int]]) -> torch.Tensor:
-    """[B, K]: each row's EOS ids and its own stop ids, padded with -1 (never a token)."""
-    rows = [list(dict.fromkeys([*eos_ids, *ids])) for ids in stop_ids]
+def stop_table(stop_ids: list[list[int]]) -> torch.Tensor:
+    """[B, K]: the ids that end each row, padded with -1 (never a token)."""
+    rows = [list(dict.fromkeys(ids)) for ids in stop_ids]
     table = torch.full((len(rows), max(map(len, rows), default=0)), -1, dtype=torch.long)
     for b, ids in enumerate(rows):
         table[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
@@ -185,7 +185,7 @@ def start_rows(row_ids, limits: list[int], seeds: list[int], stop_ids: list[list
         limit=torch.tensor(limits, dtype=torch.long, device=device),
         uniforms=uniforms.to(device),
         seen=torch.zeros(B, 2, device=device),
-        stop_ids=stop_table(config.eos_token_ids, stop_ids).to(device),
+        stop_ids=stop_table(stop_ids).to(device),
     )
 
 
@@ -235,9 +235,10 @@ class BatchDecoder:
 
     prompts: token ids per row, lengths may differ (each >= 1); row_ids: one id per row, which
     seeds its randomness with its seed (seeds, default: config.seed); max_new_tokens: a limit
-    per row (default: config.max_new_tokens); stop_token_ids: per row, ids that end it like an
-    EOS id (default: none beyond config.eos_token_ids); policy: the gamma policy, shared by the
-    batches of a run (default: a fresh one from config).
+    per row (default: config.max_new_tokens); stop_token_ids: per row, the ids that end it, kept
+    as its last token (default: config.eos_token_ids; a row's own list replaces them, so a row
+    may add stop ids or ignore EOS); policy: the gamma policy, shared by the batches of a run
+    (default: a fresh one from config).
     Greedy output equals `target.generate(do_sample=False)` on each row alone; sampled output
     follows the target's own sampling distribution.
     """
@@ -248,7 +249,7 @@ class BatchDecoder:
                  policy: GammaPolicy | None = None, stop_token_ids: list[list[int]] | None = None):
         limits = max_new_tokens or [config.max_new_tokens] * len(prompts)
         seeds = seeds or [config.seed] * len(prompts)
-        stop_ids = stop_token_ids or [[] for _ in prompts]
+        stop_ids = stop_token_ids or [list(config.eos_token_ids) for _ in prompts]
         if not prompts or not len(prompts) == len(row_ids) == len(limits) == len(seeds) == len(stop_ids):
             raise ValueError("need one row id (and limit, seed and stop ids) per prompt and at least one prompt")
         if min(limits) < 1:
