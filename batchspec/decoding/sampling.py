@@ -80,6 +80,12 @@ def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
+def one_hot(tokens: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Token ids [...] -> [..., V] one-hot distributions in like's dtype and device (V = like's last dim)."""
+    zeros = torch.zeros(*tokens.shape, like.shape[-1], dtype=like.dtype, device=like.device)
+    return zeros.scatter_(-1, tokens[..., None], 1.0)
+
+
 def first_rejection(accepted: torch.Tensor) -> torch.Tensor:
     """accepted: [B, G] bool -> number of leading accepted proposals per row, [B] in 0..G."""
     return ((~accepted).cumsum(-1) == 0).sum(-1)
@@ -138,9 +144,9 @@ def accept_sampled(p, q, draft_tokens, u_accept, u_next, lengths=None):
     p_n = p[rows, n]  # [B, V]
     if gamma:
         at = n.clamp(max=gamma - 1)
-        q_n = q[rows, at] if q is not None else torch.nn.functional.one_hot(draft_tokens[rows, at], p.shape[-1])
+        q_n = q[rows, at] if q is not None else one_hot(draft_tokens[rows, at], p_n)  # [B, V]
         q_n = q_n * (n < (gamma if lengths is None else lengths))[:, None]  # no proposal at n: q_n = 0
     else:
         q_n = torch.zeros_like(p_n)
     u = u_next.gather(1, n[:, None]).squeeze(1)  # [B]
-    return n, sample(residual(p_n, q_n.to(p_n.dtype)), u)
+    return n, sample(residual(p_n, q_n), u)

@@ -32,7 +32,7 @@ def make_drafter(draft, ngram: tuple[int, int] | None, prompts: list[list[int]],
     model = ModelDrafter(draft, ids, mask, vocab) if draft is not None else None
     lookup = NgramDrafter(prompts, *ngram, device=ids.device) if ngram else None
     if model and lookup:
-        return HybridDrafter(model, lookup, vocab)
+        return HybridDrafter(model, lookup)
     return model or lookup
 
 

@@ -13,11 +13,12 @@ import torch
 from batchspec.decoding.drafters.model import ModelDrafter
 from batchspec.decoding.drafters.ngram import NgramDrafter
 from batchspec.decoding.drafters.proposal import Proposal, on_device
+from batchspec.decoding.sampling import one_hot
 
 
 class HybridDrafter:
-    def __init__(self, model: ModelDrafter, ngram: NgramDrafter, vocab: int):
-        self.model, self.ngram, self.vocab = model, ngram, vocab
+    def __init__(self, model: ModelDrafter, ngram: NgramDrafter):
+        self.model, self.ngram = model, ngram
 
     @property
     def behind(self) -> int:
@@ -33,8 +34,7 @@ class HybridDrafter:
         tokens[:, : looked.width] = torch.where(matched, looked.tokens, tokens[:, : looked.width])
         q = drafted.q
         if q is not None:  # a looked-up proposal is certain: q one-hot
-            one_hot = torch.nn.functional.one_hot(tokens, self.vocab).to(q.dtype)  # [B, G, V]
-            q = torch.where(matched[:, :, None], one_hot, q)
+            q = torch.where(matched[:, :, None], one_hot(tokens, q), q)  # [B, G, V]
         lengths = [k or gamma for k in looked.lengths]
         sources = [source or "model" for source in looked.sources]
         return Proposal(tokens, q, lengths, sources, drafted.forwards)
