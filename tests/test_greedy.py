@@ -112,7 +112,7 @@ def test_lookup_greedy_equals_target_alone(case, drafter, gamma):
             assert sum(s["model_steps"] for s in stats) > 0
 
 
-@pytest.mark.parametrize("draft", ["model", "ar"])
+@pytest.mark.parametrize("draft", ["model", "ar", "ngram", "hybrid"])
 def test_per_row_stop_token_ids_end_rows_like_eos(case, draft):
     """Each row's own stop ids end it as EOS does (the id kept), beside rows with other ids, rows
     with none and rows that ignore EOS: generate with the row's ids as its EOS ids, row by row."""
@@ -123,9 +123,10 @@ def test_per_row_stop_token_ids_end_rows_like_eos(case, draft):
     stop_ids[longest] = [expected[longest][5], expected[longest][2]]  # two ids: the first met ends the row
     stop_ids = [[*pair.eos_token_ids, *ids] for ids in stop_ids]
     stop_ids[-1] = stop_ids[-2] = []  # rows that ignore EOS (and have no stop ids)
-    config = DecodeConfig(max_new_tokens=MAX_NEW, eos_token_ids=pair.eos_token_ids, gamma=3)
-    out = decode_batch(pair.target, pair.draft if draft == "model" else None, prompts, list(range(len(prompts))),
-                       config, stop_token_ids=stop_ids)
+    config = DecodeConfig(max_new_tokens=MAX_NEW, eos_token_ids=pair.eos_token_ids, gamma=3,
+                          ngram=LOOKUP if draft in ("ngram", "hybrid") else None)
+    out = decode_batch(pair.target, pair.draft if draft in ("model", "hybrid") else None, prompts,
+                       list(range(len(prompts))), config, stop_token_ids=stop_ids)
     wanted = [reference(pair.target, p, ids) for p, ids in zip(prompts, stop_ids)]
     assert [r.token_ids for r in out.rows] == wanted
     assert sum(len(w) < len(e) for w, e in zip(wanted, expected)) >= 3  # the stop ids cut rows short
