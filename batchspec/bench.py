@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from batchspec.buckets import make_encoder
-from batchspec.decoding import DecodeConfig, decode_batch
+from batchspec.decoding import DecodeConfig, RowOptions, decode_batch
 from batchspec.decoding.engine import left_pad
 from batchspec.decoding.kv_cache import BatchKV
 from batchspec.decoding.policy import GammaPolicy
@@ -27,6 +27,10 @@ from batchspec.sources import Row, RowError, read_jsonl
 HF, ASSISTED, LOOKUP, AR, AUTO = "hf generate", "hf assisted", "hf prompt lookup", "ar", "spec auto"
 NGRAM, HYBRID = "ngram auto", "hybrid auto"
 DRAFTERS = {"model": AUTO, "ngram": NGRAM, "hybrid": HYBRID}  # --drafters -> the auto method of each
+WITH_OPTIONS = " + options"  # --with-options: ar and spec auto again, every row with OPTIONS
+# every processor and 5 logprobs, at strengths too small to change a token: the same work on the same outputs
+OPTIONS = RowOptions(repetition_penalty=1 + 1e-6, frequency_penalty=1e-6, presence_penalty=1e-6, min_tokens=1,
+                     logit_bias={0: 1e-6}, logprobs=5)
 
 
 @dataclass
@@ -42,6 +46,7 @@ class Cell:
     stats: list[dict] = field(default_factory=list)  # per-row stats (batchspec methods)
     policy: GammaPolicy | None = None
     ideal: float | None = None  # the speed-up over ar its alpha promises at bare forward costs
+    options: RowOptions | None = None  # every row's (--with-options)
 
     @property
     def tokens(self) -> int:
@@ -160,16 +165,19 @@ def decode_all(pair, cell: Cell, prompts: list[list[int]]) -> tuple[list, list]:
         if cell.method in (HF, ASSISTED, LOOKUP):
             outputs += hf_generate(pair, batch, cell.config, cell.method)
             continue
-        result = decode_batch(pair.target, cell.draft, batch, list(range(len(batch))), cell.config, policy=cell.policy)
+        options = [cell.options] * len(batch) if cell.options else None
+        result = decode_batch(pair.target, cell.draft, batch, list(range(len(batch))), cell.config, options,
+                              cell.policy)
         outputs += [r.token_ids for r in result.rows]
         stats += [r.stats for r in result.rows]
     return outputs, stats
 
 
 def methods(pair, batch_size: int, drafters: list[str], gammas: list[int], base: DecodeConfig,
-            ngram: tuple[int, int]) -> list[Cell]:
+            ngram: tuple[int, int], with_options: bool = False) -> list[Cell]:
     """The cells one batch size compares: transformers' (its one-row methods at batch 1 only),
-    ar, the draft model at each fixed gamma, and each drafter with auto (ngram: n-gram sizes)."""
+    ar, the draft model at each fixed gamma, each drafter with auto (ngram: n-gram sizes), and
+    with_options: ar and the model's auto again with OPTIONS on every row."""
     lookup = replace(base, ngram=ngram)
     one_row = [ASSISTED] * assistable(pair) + [LOOKUP] * ("ngram" in drafters) if batch_size == 1 else []
     cells = [Cell(batch_size, HF, base)] + [Cell(batch_size, m, lookup) for m in one_row]
@@ -180,15 +188,19 @@ def methods(pair, batch_size: int, drafters: list[str], gammas: list[int], base:
         config = base if drafter == "model" else lookup
         draft = pair.draft if drafter in ("model", "hybrid") else None
         cells.append(Cell(batch_size, DRAFTERS[drafter], config, draft))
+    if with_options:
+        cells.append(Cell(batch_size, AR + WITH_OPTIONS, base, options=OPTIONS))
+        if "model" in drafters:
+            cells.append(Cell(batch_size, AUTO + WITH_OPTIONS, base, pair.draft, options=OPTIONS))
     for cell in cells:
-        cell.policy = cell.config.policy() if cell.method not in (HF, ASSISTED, LOOKUP, AR) else None
+        cell.policy = cell.config.policy() if cell.method not in (HF, ASSISTED, LOOKUP, AR, AR + WITH_OPTIONS) else None
     return cells
 
 
 def bench_size(pair, prompts, batch_size: int, drafters: list[str], gammas: list[int], base: DecodeConfig,
-               ngram: tuple[int, int], repeats: int) -> list[Cell]:
+               ngram: tuple[int, int], repeats: int, with_options: bool) -> list[Cell]:
     """Every method at one batch size: a warm-up batch each, then interleaved timed passes."""
-    cells = methods(pair, batch_size, drafters, gammas, base, ngram)
+    cells = methods(pair, batch_size, drafters, gammas, base, ngram, with_options)
     costs = forward_costs(pair, prompts[:batch_size], max(gammas + [base.gamma_max]))
     for cell in cells:
         decode_all(pair, cell, prompts[:batch_size])  # warm-up; auto measures its costs
@@ -211,10 +223,11 @@ def table(cells: list[Cell]) -> str:
         ar, hf = (next(c for c in row_cells if c.method == m) for m in (AR, HF))
         for c in row_cells:
             speedup = c.rate / ar.rate
-            same = sum(a == b for a, b in zip(c.outputs, ar.outputs))
+            same_as = next(a for a in row_cells if a.method.startswith(AR) and a.options == c.options)  # ar alike
+            same = sum(a == b for a, b in zip(c.outputs, same_as.outputs))
             lines.append("| " + " | ".join([
                 str(size), c.method, f"{c.rate:.1f}", f"{speedup:.2f}", f"{c.rate / hf.rate:.2f}",
-                f"{same}/{len(ar.outputs)}", fmt(c.alpha), fmt(c.accepted_length), c.gammas_used(),
+                f"{same}/{len(same_as.outputs)}", fmt(c.alpha), fmt(c.accepted_length), c.gammas_used(),
                 fmt(c.ideal), fmt(speedup / c.ideal if c.ideal else None),
             ]) + " |")
     return "\n".join(lines)
@@ -233,6 +246,8 @@ def verdicts(cells: list[Cell]) -> str:
         line += "".join(f"; {m} {rate[m] / rate[AR]:.2f}x ar" for m in DRAFTERS.values() if m in rate)
         if fixed and AUTO in rate:
             line += f", {rate[AUTO] / fixed.rate:.2f}x the best fixed ({fixed.method})"
+        line += "".join(f"; {m}{WITH_OPTIONS} {rate[m + WITH_OPTIONS] / rate[m]:.2f}x without"
+                        for m in (AR, AUTO) if m + WITH_OPTIONS in rate)
         lines.append(line)
     return "\n".join(lines)
 
@@ -254,7 +269,7 @@ def load_prompts(path: str, tokenizer, count: int | None) -> list[list[int]]:
 
 def bench(*, target: str | None, draft: str | None, prompts: str, rows: int | None, batch_sizes: list[int],
           drafters: list[str], gammas: list[int], gamma_max: int, ngram_min: int, ngram_max: int,
-          max_new_tokens: int, repeats: int, dtype: str, device: str) -> str:
+          max_new_tokens: int, repeats: int, dtype: str, device: str, with_options: bool = False) -> str:
     """The markdown report of every method at every batch size on a model pair (default: the
     embedded one)."""
     if target is None:
@@ -268,7 +283,8 @@ def bench(*, target: str | None, draft: str | None, prompts: str, rows: int | No
     token_ids = load_prompts(prompts, pair.tokenizer, rows or max(batch_sizes))
     base = DecodeConfig(max_new_tokens=max_new_tokens, eos_token_ids=pair.eos_token_ids, gamma_max=gamma_max)
     cells = [cell for size in batch_sizes
-             for cell in bench_size(pair, token_ids, size, drafters, gammas, base, (ngram_min, ngram_max), repeats)]
+             for cell in bench_size(pair, token_ids, size, drafters, gammas, base, (ngram_min, ngram_max), repeats,
+                                    with_options)]
     where = f"{pair.target.device.type}, {str(pair.target.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads"
     refused = pair.draft is not None and not assistable(pair)
     note = "\n(no hf assisted: transformers refuses a draft of another vocabulary width)" if refused else ""

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from batchspec.errors import UsageError
+from batchspec.request_body import SAMPLES, SAMPLING_KEYS
 from batchspec.sources import Row, RowError
 
 
@@ -26,24 +27,29 @@ Encode = Callable[[list[Row]], list[list[int] | RowError]]
 
 
 def sampling_key(row: Row) -> tuple[float, ...]:
-    """Rows whose own temperature/top_p/top_k differ go to different batches (-1: the run's value)."""
-    return tuple(row.options.get(name, -1) for name in ("temperature", "top_p", "top_k"))
+    """Rows whose own sampling settings differ go to different batches (-1: the run's value)."""
+    return tuple(row.options.get(name, -1) for name in SAMPLING_KEYS)
 
 
-def cut(encoded: list[tuple[Row, list[int]]], batch_size: int, max_batch_tokens: int | None, max_new_tokens: int):
+def cut(encoded: list[tuple[Row, list[int]]], batch_size: int, max_batch_tokens: int | None, max_new_tokens: int,
+        samples: int = 1):
     """Per sampling key, longest first (a batch that does not fit memory fails at once, not
-    hours in), then fill each batch up to batch_size rows and, with a budget,
-    rows * (longest prompt + max_new_tokens) <= max_batch_tokens (at least one row a batch)."""
+    hours in), then fill each batch up to batch_size decoded rows (a request with n samples
+    counts n; `samples`: the run's n) and, with a budget,
+    rows * (longest prompt + max_new_tokens) <= max_batch_tokens (at least one request a batch)."""
     encoded = sorted(encoded, key=lambda pair: (sampling_key(pair[0]), -len(pair[1])))
     batch: list[tuple[Row, list[int]]] = []
+    rows = 0  # decoded rows in the batch
     for row, ids in encoded:
+        n = row.options.get(SAMPLES, samples)
         longest = len(batch[0][1]) if batch else len(ids)
-        over_budget = max_batch_tokens is not None and (len(batch) + 1) * (longest + max_new_tokens) > max_batch_tokens
+        over_budget = max_batch_tokens is not None and (rows + n) * (longest + max_new_tokens) > max_batch_tokens
         new_key = batch and sampling_key(batch[0][0]) != sampling_key(row)
-        if batch and (len(batch) == batch_size or over_budget or new_key):
+        if batch and (rows + n > batch_size or over_budget or new_key):
             yield Batch([r for r, _ in batch], [i for _, i in batch])
-            batch = []
+            batch, rows = [], 0
         batch.append((row, ids))
+        rows += n
     if batch:
         yield Batch([r for r, _ in batch], [i for _, i in batch])
 
@@ -56,8 +62,10 @@ def plan(
     batch_size: int,
     max_batch_tokens: int | None,
     max_new_tokens: int,
+    samples: int = 1,
 ) -> Iterator[Batch | RowError]:
-    """Errors as they come; rows in windows of `window`, each window cut into static batches."""
+    """Errors as they come; rows in windows of `window`, each window cut into static batches
+    (samples: the run's n, completions per row)."""
 
     def flush(rows: list[Row]):
         encoded = []
@@ -66,7 +74,7 @@ def plan(
                 yield ids
             else:
                 encoded.append((row, ids))
-        yield from cut(encoded, batch_size, max_batch_tokens, max_new_tokens)
+        yield from cut(encoded, batch_size, max_batch_tokens, max_new_tokens, samples)
 
     rows: list[Row] = []
     for item in items:
@@ -103,6 +111,10 @@ def make_encoder(
     def fit(row: Row, ids: list[int]) -> list[int] | RowError:
         if not ids:
             return RowError(row.line, row.id, "empty_prompt", "the prompt has no tokens")
+        unknown = sorted(t for t in row.options.get("logit_bias", ()) if t >= len(tokenizer))
+        if unknown:
+            return RowError(row.line, row.id, "invalid_request",
+                            f"logit_bias names token ids the tokenizer does not have ({len(tokenizer)} ids): {unknown}")
         new_tokens = row.options.get("max_new_tokens", max_new_tokens)
         limit = None if context_length is None else context_length - new_tokens
         if limit is None or len(ids) <= limit:

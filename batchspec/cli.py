@@ -48,6 +48,22 @@ class Gamma(click.ParamType):
         return click.IntRange(1, 64).convert(value, param, ctx)
 
 
+class Bias(click.ParamType):
+    """--logit-bias ID=BIAS: a token id and a number in [-100, 100] added to its logit."""
+
+    name = "ID=BIAS"
+
+    def convert(self, value, param, ctx):
+        token, _, bias = str(value).partition("=")
+        try:
+            token_id, number = int(token), float(bias)
+        except ValueError:
+            self.fail(f"expected ID=BIAS (e.g. 50256=-100), got {value!r}", param, ctx)
+        if token_id < 0 or not -100 <= number <= 100:
+            self.fail(f"need a token id >= 0 and a bias in [-100, 100], got {value!r}", param, ctx)
+        return f"{token_id}={number:g}"
+
+
 GAMMA_HELP = ("Draft tokens proposed per step: auto chooses 0..--gamma-max before every step from the measured "
               "acceptance and step costs; N fixes it.")
 
@@ -104,7 +120,23 @@ def main():
 @option("--top-k", type=click.IntRange(0), default=None, help="Top-k filter, 0 = off. Default: generation_config.")
 @option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None,
         help="Nucleus filter, 1 = off. Default: generation_config.")
+@option("--min-p", type=click.FloatRange(0, 1), default=None,
+        help="Drop tokens less likely than this times the likeliest, 0 = off. Default: generation_config.")
 @option("--seed", type=int, default=0, help="With the row id, seeds each row's own sampling.")
+@option("--stop", multiple=True, default=(),
+        help="Stop string (repeatable): a row ends right before the first one in its text.")
+@option("--min-new-tokens", type=click.IntRange(0), default=0, help="No EOS or stop id before this many tokens.")
+@option("--repetition-penalty", type=click.FloatRange(0, min_open=True), default=None,
+        help="transformers' repetition penalty on prompt and output tokens, 1 = off. Default: generation_config.")
+@option("--frequency-penalty", type=click.FloatRange(-2, 2), default=0.0,
+        help="OpenAI's: minus this times each token's count in the output.")
+@option("--presence-penalty", type=click.FloatRange(-2, 2), default=0.0,
+        help="OpenAI's: minus this for each token already in the output.")
+@option("--logit-bias", type=Bias(), multiple=True, default=(), help="ID=BIAS added to a token's logit (repeatable).")
+@option("--n", type=click.IntRange(1, 128), default=1,
+        help="Completions per row, each sampled on its own (the prompt is prefilled once).")
+@option("--logprobs", type=click.IntRange(0, 20), default=None,
+        help="Record each token's logprob (the target's raw log-softmax) and the top K.")
 @option("--batch-size", type=click.IntRange(1), default=8, help="Rows per static batch.")
 @option("--max-batch-tokens", type=click.IntRange(1), default=None,
         help="Budget per batch: rows x (longest prompt + max new tokens).")
@@ -190,6 +222,8 @@ def int_list(text: str, name: str) -> list[int]:
 @option("--gamma-max", type=click.IntRange(1, 64), default=8, help="The most draft tokens auto proposes.")
 @option("--max-new-tokens", type=click.IntRange(1), default=64, help="Most tokens generated per row.")
 @option("--repeats", type=click.IntRange(1), default=2, help="Interleaved timed passes; the best counts.")
+@option("--with-options", is_flag=True, default=False,
+        help="Also ar and spec auto with every logits processor (too weak to change a token) and 5 logprobs.")
 @option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", help="Model dtype.")
 @option("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
 @option("--debug", is_flag=True, default=False, help="Show tracebacks.")

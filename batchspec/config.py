@@ -12,7 +12,8 @@ NGRAM = "ngram"  # --draft ngram: prompt lookup drafting, no draft model
 
 FINGERPRINT_FIELDS = (
     "target", "draft", "ngram", "ngram_min", "ngram_max", "mode", "gamma", "gamma_max", "max_new_tokens",
-    "temperature", "top_k", "top_p", "seed", "dtype",
+    "temperature", "top_k", "top_p", "min_p", "seed", "stop", "min_new_tokens", "repetition_penalty",
+    "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "n", "dtype",
     "split", "subset", "prompt_field", "id_field", "messages_field", "chat", "system", "truncate", "token_ids",
     "output_format", "keep_fields", "keep_all_fields", "num_shards", "shard_index",
 )  # what changes the records (or which rows a shard holds); batch size, window and device only change the speed
@@ -34,7 +35,16 @@ class RunConfig:
     temperature: float | None = None  # None: from the target's generation_config
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = None
     seed: int = 0
+    stop: tuple[str, ...] = ()  # stop strings, for every row (a request's own replace them)
+    min_new_tokens: int = 0
+    repetition_penalty: float | None = None  # None: from the target's generation_config
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[str, ...] = ()  # "ID=BIAS" each
+    logprobs: int | None = None  # each token's logprob and the top k
+    n: int = 1  # completions per row (a request's own n replaces it)
     batch_size: int = 8
     max_batch_tokens: int | None = None
     window: int = 1024

@@ -13,13 +13,14 @@ import batchspec
 from batchspec import shards
 from batchspec.buckets import Batch, make_encoder, plan
 from batchspec.config import RunConfig
-from batchspec.decoding import DecodeConfig, resolve_sampling
-from batchspec.decoding.engine import BatchDecoder
+from batchspec.decoding import DecodeConfig, RowOptions, resolve_sampling
+from batchspec.decoding.engine import BatchDecoder, split
 from batchspec.decoding.policy import GammaPolicy
 from batchspec.defaults import default_draft, default_target
 from batchspec.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_ROW_ERRORS, StopSignals, UsageError, say
 from batchspec.models import context_length, load_config, load_pair, load_tokenizer
 from batchspec.records import RecordMaker
+from batchspec.request_body import SAMPLES, SAMPLING_KEYS
 from batchspec.sink import OutputPaths, Sink, check_fingerprint, locked, write_atomic
 from batchspec.sources import RowError, input_size, read_run_input
 from batchspec.stats import RunStats, progress_bar
@@ -47,6 +48,22 @@ def check_options(cfg: RunConfig) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     if cfg.gamma != "auto" and not (isinstance(cfg.gamma, int) and 1 <= cfg.gamma):
         raise UsageError(f"--gamma must be auto or a whole number >= 1, got {cfg.gamma!r}")
+    if any(not stop for stop in cfg.stop):
+        raise UsageError("--stop strings must not be empty")
+
+
+def run_row_options(cfg: RunConfig, vocab: int, generation_config) -> RowOptions:
+    """What every row asks for unless its request says otherwise (the --stop, --min-new-tokens,
+    penalty, --logit-bias and --logprobs options; the repetition penalty defaults to the
+    target's generation_config, as in generate)."""
+    bias = {int(token): float(value) for token, value in (item.split("=") for item in cfg.logit_bias)}
+    if any(token >= vocab for token in bias):
+        raise UsageError(f"--logit-bias names token ids the tokenizer does not have ({vocab} ids): "
+                         f"{sorted(t for t in bias if t >= vocab)}")
+    repetition = cfg.repetition_penalty or getattr(generation_config, "repetition_penalty", None) or 1.0
+    return RowOptions(stop=tuple(cfg.stop), min_tokens=cfg.min_new_tokens, repetition_penalty=float(repetition),
+                      frequency_penalty=cfg.frequency_penalty, presence_penalty=cfg.presence_penalty,
+                      logit_bias=bias, logprobs=cfg.logprobs)
 
 
 def shard_items(cfg: RunConfig):
@@ -59,26 +76,35 @@ def encoder(cfg: RunConfig, tokenizer, context: int | None):
                         chat=cfg.chat, system=cfg.system)
 
 
-def decode(pair, batch: Batch, config: DecodeConfig, policy: GammaPolicy, stop: StopSignals):
+def sample_id(row_id: str, index: int) -> str:
+    """What seeds sample `index` of a row: the row id itself for the first (so n = 1 and the
+    first of n samples agree), the id and the index for the others."""
+    return row_id if index == 0 else f"{row_id}\x1f{index}"
+
+
+def decode(pair, batch: Batch, config: DecodeConfig, run_options: RowOptions, samples: int, policy: GammaPolicy,
+           stop: StopSignals):
     """One batch through the decoder, with its rows' own options (OpenAI-batch requests): their
-    temperature/top_p/top_k (shared within a batch), max_new_tokens, seed, stop_token_ids and
-    ignore_eos. The gamma policy is
-    the run's: what it measured carries over from batch to batch. None when a stop signal came
-    first."""
-    options = batch.rows[0].options
-    sampling = replace(config.sampling, **{k: options[k] for k in ("temperature", "top_p", "top_k") if k in options})
-    limits = [r.options.get("max_new_tokens", config.max_new_tokens) for r in batch.rows]
-    seeds = [r.options.get("seed", config.seed) for r in batch.rows]
-    stop_ids = [[*(() if r.options.get("ignore_eos") else config.eos_token_ids), *r.options.get("stop_token_ids", [])]
-                for r in batch.rows]
-    decoder = BatchDecoder(pair.target, pair.draft, batch.prompts, [r.id for r in batch.rows],
-                           replace(config, sampling=sampling), max_new_tokens=limits, seeds=seeds, policy=policy,
-                           stop_token_ids=stop_ids)
+    sampling settings (shared within a batch), n (else `samples`: the run's) and, over the
+    run's, everything RowOptions holds. A row with n samples is decoded as n rows seeded apart
+    (its prompt prefilled once). The gamma policy is the run's: what it measured carries over
+    from batch to batch. Returns the BatchOutput and, per row, its samples' outputs; None when a
+    stop signal came first."""
+    shared = batch.rows[0].options
+    sampling = replace(config.sampling, **{k: shared[k] for k in SAMPLING_KEYS if k in shared})
+    counts = [r.options.get(SAMPLES, samples) for r in batch.rows]
+    own = [{k: v for k, v in r.options.items() if k not in (*SAMPLING_KEYS, SAMPLES)} for r in batch.rows]
+    options = [replace(run_options, **o) for o, k in zip(own, counts) for _ in range(k)]
+    prompts = [p for p, k in zip(batch.prompts, counts) for _ in range(k)]
+    row_ids = [sample_id(r.id, i) for r, k in zip(batch.rows, counts) for i in range(k)]
+    decoder = BatchDecoder(pair.target, pair.draft, prompts, row_ids, replace(config, sampling=sampling), options,
+                           policy, pair.tokenizer)
     while not decoder.done:
         if stop.received:
             return None
         decoder.step()
-    return decoder.output()
+    output = decoder.output()
+    return output, split(output.rows, counts)
 
 
 def record_maker(cfg: RunConfig, tokenizer) -> RecordMaker:
@@ -115,11 +141,12 @@ def run_locked(cfg: RunConfig, paths: OutputPaths, sink: Sink, stop: StopSignals
     pair = load_pair(cfg.target, cfg.draft_model, dtype=cfg.dtype, device=cfg.device)
     make_record = record_maker(cfg, pair.tokenizer)
     sampling = resolve_sampling(pair.target.generation_config, temperature=cfg.temperature, top_k=cfg.top_k,
-                                top_p=cfg.top_p)
+                                top_p=cfg.top_p, min_p=cfg.min_p)
     config = DecodeConfig(max_new_tokens=cfg.max_new_tokens, eos_token_ids=pair.eos_token_ids, sampling=sampling,
                           gamma=None if cfg.gamma == "auto" else cfg.gamma, gamma_max=cfg.gamma_max, seed=cfg.seed,
                           ngram=cfg.ngram_sizes)
     policy = config.policy()
+    run_options = run_row_options(cfg, len(pair.tokenizer), pair.target.generation_config)
     encode = encoder(cfg, pair.tokenizer, pair.context_length)
     stats = RunStats()
     bar = progress_bar(input_size(cfg.input, cfg.split, cfg.subset), cfg.progress)
@@ -134,18 +161,19 @@ def run_locked(cfg: RunConfig, paths: OutputPaths, sink: Sink, stop: StopSignals
 
     interrupted = False
     batches = plan(fresh(shard_items(cfg)), encode, window=cfg.window, batch_size=cfg.batch_size,
-                   max_batch_tokens=cfg.max_batch_tokens, max_new_tokens=cfg.max_new_tokens)
+                   max_batch_tokens=cfg.max_batch_tokens, max_new_tokens=cfg.max_new_tokens, samples=cfg.n)
     for item in batches:
         if isinstance(item, RowError):
             sink.error(item)
             stats.rows_error += 1
             bar.update(1)
             continue
-        output = decode(pair, item, config, policy, stop)
-        if output is None:
+        decoded = decode(pair, item, config, run_options, cfg.n, policy, stop)
+        if decoded is None:
             interrupted = True
             break
-        sink.write([make_record(r, o) for r, o in zip(item.rows, output.rows)])
+        output, samples = decoded
+        sink.write([make_record(r, s) for r, s in zip(item.rows, samples)])
         stats.add_batch(item, output)
         bar.update(len(item.rows))
         bar.set_postfix(stats.postfix(), refresh=False)
@@ -211,7 +239,7 @@ def dry_run(cfg: RunConfig) -> int:
     errors, lengths, batch_sizes = Counter(), Counter(), Counter()
     rows = pads = slots = 0
     for item in plan(shard_items(cfg), encode, window=cfg.window, batch_size=cfg.batch_size,
-                     max_batch_tokens=cfg.max_batch_tokens, max_new_tokens=cfg.max_new_tokens):
+                     max_batch_tokens=cfg.max_batch_tokens, max_new_tokens=cfg.max_new_tokens, samples=cfg.n):
         if isinstance(item, RowError):
             if sum(errors.values()) < 20:
                 say(f"line {item.line}: {item.type}: {item.message}")

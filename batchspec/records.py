@@ -1,10 +1,12 @@
 """Output records: batchspec's own schema, or OpenAI-batch output lines (like `vllm run-batch`)."""
 
 import hashlib
+import itertools
 
+from batchspec.decoding.stopping import IncrementalText
 from batchspec.errors import UsageError
 
-OUR_FIELDS = ("id", "prompt", "messages", "completion", "finish_reason", "stats", "token_ids")
+OUR_FIELDS = ("id", "prompt", "messages", "completion", "finish_reason", "stats", "token_ids", "logprobs", "samples")
 OPENAI_FIELDS = ("id", "custom_id", "response", "error")
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 
@@ -30,45 +32,98 @@ class RecordMaker:
         """The record field holding the input row's id (what resume looks for)."""
         return "custom_id" if self.format == "openai" else "id"
 
-    def __call__(self, row, output) -> dict:
-        text = self.tokenizer.decode(output.token_ids, skip_special_tokens=True)
-        record = self.openai(row, output, text) if self.format == "openai" else self.ours(row, output, text)
+    def __call__(self, row, outputs: list) -> dict:
+        """The record of one request: outputs holds its n samples (one RowOutput each)."""
+        record = self.openai(row, outputs) if self.format == "openai" else self.ours(row, outputs)
         for name in self.keep:
             record[name] = row.fields.get(name)
         if self.keep_all:
             record |= {k: v for k, v in row.fields.items() if k not in record and k not in self.reserved}
         return record
 
-    def ours(self, row, output, text: str) -> dict:
-        record = {
-            "id": row.id,
-            **({"prompt": row.prompt} if row.messages is None else {"messages": row.messages}),
-            "completion": text,
-            "finish_reason": output.finish_reason,
-            "stats": output.stats,
-        }
-        if self.token_ids:
-            record["token_ids"] = output.token_ids
-        return record
+    def text(self, output) -> str:
+        return self.tokenizer.decode(output.token_ids, skip_special_tokens=True)[: output.text_end]
 
-    def openai(self, row, output, text: str) -> dict:
-        """A successful OpenAI-batch output line; our statistics ride in body["batchspec"]."""
+    def ours(self, row, outputs: list) -> dict:
+        """n = 1: completion, finish_reason, stats (token_ids, logprobs) at the top level; n > 1:
+        a list of those in `samples`, and `stats` summing the token counts."""
+        record = {"id": row.id, **({"prompt": row.prompt} if row.messages is None else {"messages": row.messages})}
+        samples = [self.sample(output) for output in outputs]
+        if len(samples) == 1:
+            return record | samples[0]
+        return record | {"samples": samples, "stats": totals(outputs)}
+
+    def sample(self, output) -> dict:
+        sample = {"completion": self.text(output), "finish_reason": output.finish_reason, "stats": output.stats}
+        if self.token_ids:
+            sample["token_ids"] = output.token_ids
+        if output.logprobs is not None:
+            sample["logprobs"] = [
+                {"token_id": token, "token": self.token_text(token), "logprob": logprob,
+                 "top_logprobs": [{"token_id": i, "token": self.token_text(i), "logprob": lp} for i, lp in top]}
+                for token, (logprob, top) in zip(output.token_ids, output.logprobs)
+            ]
+        return sample
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def entry(self, token: int, logprob: float) -> dict:
+        """OpenAI's chat logprob entry for a token: its text, logprob and UTF-8 bytes."""
+        text = self.token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    def chat_logprobs(self, output) -> dict:
+        """choices[].logprobs of a chat completion."""
+        content = [self.entry(token, logprob) | {"top_logprobs": [self.entry(i, lp) for i, lp in top]}
+                   for token, (logprob, top) in zip(output.token_ids, output.logprobs)]
+        return {"content": content, "refusal": None}
+
+    def choice(self, index: int, output, chat: bool) -> dict:
+        logprobs = None
+        if output.logprobs is not None:
+            logprobs = self.chat_logprobs(output) if chat else self.completion_logprobs(output)
+        choice = {"index": index, "logprobs": logprobs, "finish_reason": output.finish_reason}
+        text = self.text(output)
+        return choice | ({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+
+    def completion_logprobs(self, output) -> dict:
+        """choices[].logprobs of a (legacy) completion: parallel lists, text_offset into the text."""
+        pieces, text = [], IncrementalText(self.tokenizer)
+        for token in output.token_ids:
+            pieces.append(text.add(token))
+        offsets = [0, *itertools.accumulate(map(len, pieces))][:-1]
+        return {
+            "tokens": [self.token_text(token) for token in output.token_ids],
+            "token_logprobs": [logprob for logprob, _ in output.logprobs],
+            "top_logprobs": [{self.token_text(i): lp for i, lp in top} for _, top in output.logprobs],
+            "text_offset": offsets,
+        }
+
+    def openai(self, row, outputs: list) -> dict:
+        """A successful OpenAI-batch output line: a choice per sample, usage summed; our statistics
+        ride in body["batchspec"] (n > 1: the sums, and each sample's in "samples")."""
         chat = (row.endpoint or (CHAT_URL if row.messages is not None else COMPLETIONS_URL)) == CHAT_URL
         digest = hashlib.blake2b(row.id.encode(), digest_size=12).hexdigest()
-        choice = {"index": 0, "logprobs": None, "finish_reason": output.finish_reason}
-        choice |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
-        prompt_tokens, completion_tokens = output.stats["prompt_tokens"], output.stats["completion_tokens"]
-        extra = {"token_ids": output.token_ids} if self.token_ids else {}
+        choices = [self.choice(index, output, chat) for index, output in enumerate(outputs)]
+        extras = [output.stats | ({"token_ids": output.token_ids} if self.token_ids else {}) for output in outputs]
+        usage = totals(outputs)
         body = {
             "id": ("chatcmpl-" if chat else "cmpl-") + digest,
             "object": "chat.completion" if chat else "text_completion",
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens},
-            "batchspec": {**output.stats, **extra},
+            "choices": choices,
+            "usage": {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
+                      "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"]},
+            "batchspec": extras[0] if len(extras) == 1 else usage | {"samples": extras},
         }
         request_id = f"batch_req_{digest}"
         return {"id": request_id, "custom_id": row.id,
                 "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
+
+
+def totals(outputs: list) -> dict:
+    """A request's token counts over its samples (the prompt counted once)."""
+    summed = ("completion_tokens", "draft_tokens", "accepted_tokens")
+    return {"prompt_tokens": outputs[0].stats["prompt_tokens"], **{k: sum(o.stats[k] for o in outputs) for k in summed}}

@@ -36,11 +36,9 @@ OBJECT = Check(lambda v: isinstance(v, dict), "an object")
 LIST = Check(lambda v: isinstance(v, list), "a list")
 STRINGS = Check(lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v), "a list of strings")
 TOKEN_IDS = Check(lambda v: isinstance(v, list) and all(is_int(t) and t >= 0 for t in v), "a list of token ids")
-STOP = Check(lambda v: isinstance(v, str) or (STRINGS.test(v) and len(v) <= 4),
-             "a string or a list of at most 4 strings")
+STOP = Check(lambda v: isinstance(v, str) and v != "" or STRINGS.test(v) and all(v),
+             "a non-empty string or a list of them")
 LOGPROBS_COUNT = integers(0, 20)
-LOGPROBS = Check(lambda v: isinstance(v, bool) or LOGPROBS_COUNT.test(v),
-                 "a boolean (chat) or an integer in 0..20 (completions)")
 BIAS = numbers(-100, 100)
 LOGIT_BIAS = Check(lambda v: isinstance(v, dict) and all(k.isascii() and k.isdigit() and BIAS.test(b)
                                                          for k, b in v.items()),
@@ -68,24 +66,15 @@ class Unhonored:
         return any(value == o and isinstance(value, bool) == isinstance(o, bool) for o in self.off)
 
 
-HONORED_KEYS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
-                "stop_token_ids", "ignore_eos"}  # request_options
+HONORED_KEYS = {"n", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
+                "stop_token_ids", "ignore_eos", "stop", "include_stop_str_in_output", "min_tokens", "logprobs",
+                "top_logprobs", "frequency_penalty", "presence_penalty", "repetition_penalty",
+                "logit_bias"}  # request_options
 NO_EFFECT_KEYS = {"model", "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
                   "stream_options", "parallel_tool_calls"}  # any value: no effect (stream and tools are refused)
 UNHONORED = {
-    "n": Unhonored(integers(1), (1,)),
     "best_of": Unhonored(integers(1), (1,)),
     "use_beam_search": Unhonored(BOOLEAN, (False,)),
-    "stop": Unhonored(STOP, ([],)),
-    "include_stop_str_in_output": Unhonored(BOOLEAN, (False,)),
-    "min_tokens": Unhonored(integers(0), (0,)),
-    "logprobs": Unhonored(LOGPROBS, (False,)),
-    "top_logprobs": Unhonored(LOGPROBS_COUNT, (0,)),
-    "frequency_penalty": Unhonored(numbers(-2, 2), (0,)),
-    "presence_penalty": Unhonored(numbers(-2, 2), (0,)),
-    "repetition_penalty": Unhonored(POSITIVE, (1,)),
-    "logit_bias": Unhonored(LOGIT_BIAS, ({},)),
-    "min_p": Unhonored(numbers(0, 1), (0,)),
     "skip_special_tokens": Unhonored(BOOLEAN, (True,)),
     "echo": Unhonored(BOOLEAN, (False,)),
     "suffix": Unhonored(STRING),
@@ -139,38 +128,78 @@ def body_problem(body: dict, input_key: str) -> str | None:
     return "; ".join(problems) or None
 
 
-def request_options(body: dict) -> dict:
-    """Per-row generation options of an OpenAI request body (ValueError when one is bad)."""
+MAX_N = 128  # OpenAI's limit on n
+
+OPTIONS = {  # body key -> (its check, the RowOptions or SamplingParams field it sets; n: the job's)
+    "n": (integers(1, MAX_N), "n"),
+    "temperature": (numbers(0, float("inf")), "temperature"),
+    "top_p": (Check(lambda v: is_number(v) and 0 < v <= 1, "a number in (0, 1]"), "top_p"),
+    "top_k": (integers(-1), "top_k"),
+    "min_p": (numbers(0, 1), "min_p"),
+    "seed": (Check(is_int, "an integer"), "seed"),
+    "stop_token_ids": (TOKEN_IDS, "stop_token_ids"),
+    "ignore_eos": (BOOLEAN, "ignore_eos"),
+    "stop": (STOP, "stop"),
+    "include_stop_str_in_output": (BOOLEAN, "include_stop_str"),
+    "min_tokens": (integers(0), "min_tokens"),
+    "frequency_penalty": (numbers(-2, 2), "frequency_penalty"),
+    "presence_penalty": (numbers(-2, 2), "presence_penalty"),
+    "repetition_penalty": (POSITIVE, "repetition_penalty"),
+    "logit_bias": (LOGIT_BIAS, "logit_bias"),
+}
+
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p")  # shared by a batch's rows; the rest are per row
+SAMPLES = "n"  # completions per request: the job decodes a request's prompt n times
+
+
+def request_options(body: dict, chat: bool) -> dict:
+    """Per-row generation options of an OpenAI request body, named as RowOptions and
+    SamplingParams name them (ValueError when one is bad). chat: a chat completions body, whose
+    logprobs is a boolean with top_logprobs beside it (completions: logprobs is the top k)."""
     options = {}
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None:
         if not is_int(max_tokens) or max_tokens < 1:
             raise ValueError("max_tokens must be a positive integer")
         options["max_new_tokens"] = max_tokens
-    for name, low, high in (("temperature", 0.0, None), ("top_p", 0.0, 1.0)):
-        value = body.get(name)
+    for key, (check, name) in OPTIONS.items():
+        value = body.get(key)
         if value is not None:
-            if not is_number(value) or value < low or (high and value > high) or (name == "top_p" and value == 0):
-                raise ValueError(f"{name} must be a number in {'(0, 1]' if high else '[0, inf)'}")
-            options[name] = float(value)
-    top_k = body.get("top_k")
-    if top_k is not None:
-        if not is_int(top_k) or top_k < -1:
-            raise ValueError("top_k must be an integer >= -1 (-1 and 0: off)")
-        options["top_k"] = max(top_k, 0)  # vLLM's -1 is our 0
-    seed = body.get("seed")
-    if seed is not None:
-        if not is_int(seed):
-            raise ValueError("seed must be an integer")
-        options["seed"] = seed
-    stop_ids = body.get("stop_token_ids")
-    if stop_ids is not None:
-        if not TOKEN_IDS.test(stop_ids):
-            raise ValueError(f"stop_token_ids must be {TOKEN_IDS.must_be}")
-        options["stop_token_ids"] = stop_ids
-    ignore_eos = body.get("ignore_eos")
-    if ignore_eos is not None:
-        if not BOOLEAN.test(ignore_eos):
-            raise ValueError(f"ignore_eos must be {BOOLEAN.must_be}")
-        options["ignore_eos"] = ignore_eos
+            if not check.test(value):
+                raise ValueError(f"{key} must be {check.must_be}")
+            options[name] = value
+    for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
+        if name in options:
+            options[name] = float(options[name])
+    if "top_k" in options:
+        options["top_k"] = max(options["top_k"], 0)  # vLLM's -1 is our 0
+    if isinstance(options.get("stop"), str):
+        options["stop"] = [options["stop"]]
+    for name in ("stop", "stop_token_ids"):
+        if name in options:
+            options[name] = tuple(options[name])
+    if "logit_bias" in options:
+        options["logit_bias"] = {int(token): float(bias) for token, bias in options["logit_bias"].items()}
+    logprobs = logprobs_option(body, chat)
+    if logprobs is not None:
+        options["logprobs"] = logprobs
     return options
+
+
+def logprobs_option(body: dict, chat: bool) -> int | None:
+    """How many top logprobs a body asks for per token (0: the token's own only), or None."""
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if not chat:
+        if logprobs is not None and logprobs is not False and not LOGPROBS_COUNT.test(logprobs):
+            raise ValueError(f"logprobs must be {LOGPROBS_COUNT.must_be} for /v1/completions")
+        if top:
+            raise ValueError("top_logprobs is for /v1/chat/completions; /v1/completions takes logprobs: k")
+        return None if logprobs is False else logprobs
+    if logprobs is not None and not BOOLEAN.test(logprobs):
+        raise ValueError(f"logprobs must be {BOOLEAN.must_be} for /v1/chat/completions (top_logprobs: k)")
+    if top is not None and not LOGPROBS_COUNT.test(top):
+        raise ValueError(f"top_logprobs must be {LOGPROBS_COUNT.must_be}")
+    if top and not logprobs:
+        raise ValueError("top_logprobs needs logprobs: true")
+    return (top or 0) if logprobs else None

@@ -25,7 +25,7 @@ class Row:
     prompt: str | None  # raw text to complete, or None for a chat row
     fields: dict = field(repr=False)  # the whole input object
     messages: list[dict] | None = None  # [{role, content}, ...] for a chat row
-    options: dict = field(default_factory=dict)  # per-row max_new_tokens, temperature, top_p, top_k, seed
+    options: dict = field(default_factory=dict)  # per-row RowOptions and SamplingParams fields (request_options)
     endpoint: str | None = None  # an OpenAI-batch request's url
 
 
@@ -135,7 +135,7 @@ def parse_request(obj: dict, line: int) -> Row | RowError:
     if problem:
         return RowError(line, custom_id, "invalid_request", problem)
     try:
-        options = request_options(body)
+        options = request_options(body, chat=input_key == "messages")
     except ValueError as e:
         return RowError(line, custom_id, "invalid_request", str(e))
     if input_key == "messages":

@@ -36,7 +36,7 @@ class RunStats:
     def add_batch(self, batch, output) -> None:
         """batch: buckets.Batch; output: decoding.BatchOutput."""
         self.batches += 1
-        self.rows_ok += len(output.rows)
+        self.rows_ok += len(batch.rows)  # a row's n samples are one row
         pads, slots = batch.padding
         self.pad_slots += pads
         self.prompt_slots += slots

@@ -4,6 +4,9 @@ import orjson
 import pytest
 import torch
 
+from openai.types import Completion
+from openai.types.chat import ChatCompletion
+
 from batchspec.buckets import cut
 from batchspec.errors import UsageError
 from batchspec.models import load_pair
@@ -113,15 +116,26 @@ def test_openai_batch_rows_with_per_row_options(tiny_pair, models, tmp_path):
     ids = torch.tensor([list(pair.tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False))])
     full = pair.target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=10,
                                 pad_token_id=0)[0, ids.shape[1] :].tolist()
+    text = pair.tokenizer.decode(full, skip_special_tokens=True)
+    boundary = len(pair.tokenizer.decode(full[:3], skip_special_tokens=True))
+    stop = text[boundary - 1 : boundary + 2]  # spans tokens 3 and 4
+    stop_at = next(j for j in range(1, len(full) + 1)
+                   if stop in pair.tokenizer.decode(full[:j], skip_special_tokens=True))
     source = tmp_path / "batch.jsonl"
     source.write_bytes(
         request("short", {"model": "m", "messages": chat, "max_tokens": 3})
         + request("long", {"model": "m", "messages": chat, "max_tokens": 10})
         + request("text", {"model": "m", "prompt": "the old house", "max_tokens": 5}, url="/v1/completions")
         + request("hot", {"model": "m", "messages": chat, "temperature": 1.0, "seed": 7, "max_tokens": 10})
+        + request("hot3", {"model": "m", "messages": chat, "temperature": 1.0, "seed": 7, "max_tokens": 10, "n": 3})
         + request("top1", {"model": "m", "messages": chat, "temperature": 1.0, "seed": 7, "max_tokens": 10, "top_k": 1})
         + request("bad", {"model": "m", "messages": chat, "max_tokens": -1})
-        + request("stop", {"model": "m", "messages": chat, "max_tokens": 10, "stop": "."})
+        + request("stop", {"model": "m", "messages": chat, "max_tokens": 10, "stop": ["never", stop]})
+        + request("lp", {"model": "m", "messages": chat, "max_tokens": 10, "logprobs": True, "top_logprobs": 2})
+        + request("textlp", {"model": "m", "prompt": "the old house", "max_tokens": 5, "logprobs": 3},
+                  url="/v1/completions")
+        + request("bias", {"model": "m", "messages": chat, "max_tokens": 10, "logit_bias": {str(full[0]): -100}})
+        + request("badbias", {"model": "m", "messages": chat, "logit_bias": {"123456789": 5}})
         + request("stopid", {"model": "m", "messages": chat, "max_tokens": 10, "stop_token_ids": [full[4]]})
         + request("noeos", {"model": "m", "messages": chat, "max_tokens": 10, "ignore_eos": True})
         + request("embed", {"model": "m", "input": "x"}, url="/v1/embeddings")
@@ -130,10 +144,25 @@ def test_openai_batch_rows_with_per_row_options(tiny_pair, models, tmp_path):
     result = run_cli(str(source), "--out", str(out), *models, "--output-format", "openai")
     assert result.returncode == 3, result.stderr
     by_id = {r["custom_id"]: r for r in records(out)}
-    assert set(by_id) == {"short", "long", "text", "hot", "top1", "stopid", "noeos"}
+    assert set(by_id) == {"short", "long", "text", "hot", "hot3", "top1", "stop", "stopid", "noeos", "lp", "textlp",
+                          "bias"}
     errors = {e["id"]: e["error"] for e in records(tmp_path / "out.errors.jsonl")}
-    assert {i: e["type"] for i, e in errors.items()} == dict.fromkeys(("bad", "stop", "embed"), "invalid_request")
-    assert errors["stop"]["message"].startswith("'stop' is not supported by batchspec yet")
+    assert {i: e["type"] for i, e in errors.items()} == dict.fromkeys(("bad", "embed", "badbias"), "invalid_request")
+    assert "logit_bias names token ids the tokenizer does not have" in errors["badbias"]["message"]
+    for record in by_id.values():  # every line parses with the official client's types
+        body = record["response"]["body"]
+        (ChatCompletion if body["object"] == "chat.completion" else Completion).model_validate(body)
+
+    stopped = by_id["stop"]["response"]["body"]  # a stop string across tokens: cut right before it
+    assert stopped["choices"][0]["message"]["content"] == text[: text.index(stop)]
+    assert stopped["batchspec"]["token_ids"] == full[:stop_at] and stopped["choices"][0]["finish_reason"] == "stop"
+    content = by_id["lp"]["response"]["body"]["choices"][0]["logprobs"]["content"]
+    assert [len(entry["top_logprobs"]) for entry in content] == [2] * 10
+    assert all(entry["logprob"] == entry["top_logprobs"][0]["logprob"] <= 0 for entry in content)  # greedy: the top 1
+    textlp = by_id["textlp"]["response"]["body"]["choices"][0]
+    assert len(textlp["logprobs"]["tokens"]) == len(textlp["logprobs"]["text_offset"]) == 5
+    assert "".join(textlp["logprobs"]["tokens"]) == textlp["text"] and textlp["logprobs"]["text_offset"][0] == 0
+    assert by_id["bias"]["response"]["body"]["batchspec"]["token_ids"][0] != full[0]  # -100: never chosen
 
     for name, limit in (("short", 3), ("long", 10)):  # batch mates with different max_tokens
         body = by_id[name]["response"]["body"]
@@ -149,6 +178,11 @@ def test_openai_batch_rows_with_per_row_options(tiny_pair, models, tmp_path):
     assert "text" in by_id["text"]["response"]["body"]["choices"][0]
     hot = by_id["hot"]["response"]["body"]["batchspec"]["token_ids"]
     assert hot != full  # sampled at the row's own temperature, not greedy
+    hot3 = by_id["hot3"]["response"]["body"]  # n: 3 choices in one line, usage summed
+    samples = [s["token_ids"] for s in hot3["batchspec"]["samples"]]
+    assert [c["index"] for c in hot3["choices"]] == [0, 1, 2]
+    assert len(set(map(tuple, samples))) == 3 and hot not in samples  # each seeded on its own (and by its row id)
+    assert hot3["usage"]["completion_tokens"] == sum(map(len, samples)) == hot3["batchspec"]["completion_tokens"]
     assert by_id["top1"]["response"]["body"]["batchspec"]["token_ids"] == full  # its own top_k 1: the greedy tokens
     stopped = by_id["stopid"]["response"]["body"]
     assert stopped["batchspec"]["token_ids"] == full[: full.index(full[4]) + 1]  # its own stop id ends it, kept

@@ -11,7 +11,9 @@ import time
 import orjson
 import pytest
 import torch
+from click.testing import CliRunner
 
+from batchspec.cli import main
 from batchspec.models import load_pair
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
@@ -135,6 +137,30 @@ def test_kill_9_then_resume_gives_the_uninterrupted_result(setup, tmp_path, mome
     assert_same_as_reference(out, setup)
 
 
+def test_n_samples_survive_kill_9_and_resume(setup, tmp_path):
+    """--n 3, sampled: one record per row holding its 3 samples, each seeded on its own; a run
+    killed mid-way and resumed writes what the uninterrupted run wrote."""
+    small = write_input(tmp_path / "small.jsonl", rows=12)
+    args = [*setup["models"], "--n", "3", "--temperature", "1.0", "--batch-size", "9"]
+    reference, out = tmp_path / "reference.jsonl", tmp_path / "out.jsonl"
+    assert run_cli(str(small), "--out", str(reference), *args).returncode == 3
+    records = [orjson.loads(line) for line in lines(reference)]
+    assert all(len(r["samples"]) == 3 and "completion" not in r for r in records)
+    assert all(r["stats"]["completion_tokens"] == sum(len(s["token_ids"]) for s in r["samples"]) for r in records)
+    assert sum(len({tuple(s["token_ids"]) for s in r["samples"]}) == 3 for r in records) > len(records) // 2
+    single = tmp_path / "single.jsonl"  # the first of n samples is what n = 1 gives
+    assert run_cli(str(small), "--out", str(single), *setup["models"], *args[-4:]).returncode == 3
+    firsts = {r["id"]: r["samples"][0]["token_ids"] for r in records}
+    assert {r["id"]: r["token_ids"] for r in map(orjson.loads, lines(single))} == firsts
+    process = subprocess.Popen(cli(str(small), "--out", str(out), *args), env=ENV, stderr=subprocess.DEVNULL)
+    wait_for_records(out, 3, process)
+    process.kill()
+    assert process.wait() == -signal.SIGKILL
+    assert out.read_bytes().count(b"\n") < len(records)
+    assert run_cli(str(small), "--out", str(out), *args).returncode == 3
+    assert lines(out) == lines(reference)
+
+
 def test_torn_last_line_is_dropped_and_redone(setup, tmp_path):
     out = tmp_path / "out.jsonl"
     reference_lines = setup["reference"].read_bytes().splitlines(keepends=True)
@@ -225,6 +251,18 @@ def test_usage_errors_exit_2_without_traceback(setup, tmp_path, args, message):
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--stop", ""], "--stop strings must not be empty"),
+    (["--logit-bias", "7"], "expected ID=BIAS"),
+    (["--logit-bias", "123456789=1"], "--logit-bias names token ids the tokenizer does not have"),
+])
+def test_generation_option_usage_errors(setup, tmp_path, args, message):
+    """In process (the subprocess path is the test above's): exit 2 and one line naming the option."""
+    result = CliRunner().invoke(main, ["run", str(setup["input"]), "--out", str(tmp_path / "o.jsonl"), "--target",
+                                       str(setup["target"]), "--mode", "ar", "--no-progress", *args])
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+
+
 def test_ngram_and_hybrid_drafts_write_the_target_alones_records(setup, tmp_path):
     """--draft ngram (no draft model loaded) and --ngram beside the draft model (hybrid): the same
     token ids as --mode ar, each row saying which source proposed how often."""
@@ -250,6 +288,26 @@ def test_ngram_and_hybrid_drafts_write_the_target_alones_records(setup, tmp_path
     assert summaries["ngram"]["models"]["draft"] is None and summaries["ngram"]["model_steps"] == 0
     assert summaries["hybrid"]["models"]["draft"] == draft
     assert summaries["ar"]["ngram_steps"] == summaries["ar"]["model_steps"] == 0
+
+
+def test_generation_options_for_every_row(setup, tmp_path):
+    """--stop, --logprobs and the processing options reach every row and belong to the run's
+    fingerprint."""
+    small, out = write_input(tmp_path / "small.jsonl", rows=12), tmp_path / "out.jsonl"
+    reference = {r["id"]: r for r in map(orjson.loads, lines(setup["reference"]))}
+    options = ["--stop", " the", "--stop", "zzz", "--logprobs", "2", "--repetition-penalty", "1.5",
+               "--frequency-penalty", "0.5", "--presence-penalty", "0.2", "--min-new-tokens", "2",
+               "--logit-bias", "5=-100"]
+    assert run_cli(str(small), "--out", str(out), *setup["models"], *options).returncode == 3
+    records = [orjson.loads(line) for line in lines(out)]
+    assert sum(r["token_ids"] != reference[r["id"]]["token_ids"] for r in records) >= len(records) // 2
+    for r in records:
+        assert " the" not in r["completion"] and 5 not in r["token_ids"] and len(r["token_ids"]) >= 2
+        assert [e["token_id"] for e in r["logprobs"]] == r["token_ids"]
+        assert all(len(e["top_logprobs"]) == 2 and e["logprob"] <= 0 for e in r["logprobs"])
+    assert any(r["finish_reason"] == "stop" and " the" in reference[r["id"]]["completion"] for r in records)
+    result = run_cli(str(small), "--out", str(out), *setup["models"], *options[:-2])
+    assert result.returncode == 2 and "logit_bias" in result.stderr
 
 
 def test_context_overflow_is_an_error_record_unless_truncated(setup, tmp_path):

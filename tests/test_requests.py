@@ -45,10 +45,7 @@ def test_keys_that_cannot_change_the_output_are_accepted(body):
 
 
 REFUSED = [  # valid values of keys batchspec does not honor yet
-    ("n", 2), ("best_of", 3), ("use_beam_search", True), ("stop", "."), ("stop", ""), ("stop", ["a", "b"]),
-    ("include_stop_str_in_output", True), ("min_tokens", 3),
-    ("logprobs", True), ("logprobs", 0), ("top_logprobs", 5), ("frequency_penalty", 0.5), ("presence_penalty", -1),
-    ("repetition_penalty", 1.1), ("logit_bias", {"50256": -100}), ("min_p", 0.05), ("skip_special_tokens", False),
+    ("best_of", 3), ("use_beam_search", True), ("skip_special_tokens", False),
     ("echo", True), ("suffix", ""), ("response_format", {"type": "json_object"}),
     ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}), ("guided_json", {}),
     ("guided_regex", "a+"), ("guided_choice", ["yes", "no"]), ("guided_grammar", "root ::= 'a'"),
@@ -74,7 +71,7 @@ def test_every_unhonored_key_has_a_refused_value():
 
 INVALID = [  # checked before support: a bad value is named as such
     ("n", 0), ("n", "2"), ("n", True), ("best_of", 1.0), ("top_logprobs", 50), ("top_logprobs", -1),
-    ("logprobs", "yes"), ("logprobs", 21), ("stop", 5), ("stop", ["a", 1]), ("stop", ["a"] * 5),
+    ("logprobs", "yes"), ("logprobs", 21), ("stop", 5), ("stop", ["a", 1]), ("stop", ""), ("stop", ["a", ""]),
     ("frequency_penalty", 2.5), ("presence_penalty", -3), ("presence_penalty", False), ("logit_bias", [1]),
     ("logit_bias", {"x": 1}), ("logit_bias", {"5": 101}), ("logit_bias", {"5": "1"}), ("min_p", 1.5),
     ("repetition_penalty", 0), ("min_tokens", -1), ("stop_token_ids", [1, "2"]), ("stop_token_ids", 3),
@@ -93,9 +90,9 @@ def test_bad_values_name_their_key(key, value):
     ({"temprature": 0.5}, "unrecognized request argument 'temprature'"),
     ({"prompt": "also"}, "unrecognized request argument 'prompt'"),  # a chat request's input is its messages
     ({"max_new_tokens": 5, "Stop": "."}, "unrecognized request arguments 'Stop', 'max_new_tokens'"),
-    ({"topp": 0.5, "stop": ".", "n": 0, "temprature": 1, "response_format": {"type": "json_object"}},
-     ("unrecognized request arguments 'temprature', 'topp'; 'n' must be an integer >= 1; 'response_format', 'stop' "
-      "are not supported by batchspec yet (structured outputs, generation options); remove them or set them to null")),
+    ({"topp": 0.5, "echo": True, "n": 0, "temprature": 1, "response_format": {"type": "json_object"}},
+     ("unrecognized request arguments 'temprature', 'topp'; 'echo', 'response_format' "
+      "are not supported by batchspec yet (generation options, structured outputs); remove them or set them to null")),
 ])
 def test_unknown_and_several_bad_keys_are_all_named_in_one_message(body, message):
     assert refusal(**body) == message
@@ -112,9 +109,27 @@ def test_plain_rows_keep_other_fields_as_data():
 
 def test_stop_token_ids_and_ignore_eos_are_honored_per_row():
     assert [parse(stop_token_ids=ids).options for ids in ([5, 7], [], None)] == [
-        {"stop_token_ids": [5, 7]}, {"stop_token_ids": []}, {}]
+        {"stop_token_ids": (5, 7)}, {"stop_token_ids": ()}, {}]
     assert [parse(ignore_eos=v).options for v in (True, False, None)] == [
         {"ignore_eos": True}, {"ignore_eos": False}, {}]
+
+
+def test_generation_options_are_read_per_row_as_the_decoder_names_them():
+    body = {"stop": ["\n\n", "END"], "include_stop_str_in_output": True, "min_tokens": 3, "frequency_penalty": 1,
+            "presence_penalty": -0.5, "repetition_penalty": 1.2, "logit_bias": {"7": -100, "9": 2.5}, "min_p": 0.1}
+    assert parse(**body).options == {
+        "stop": ("\n\n", "END"), "include_stop_str": True, "min_tokens": 3, "frequency_penalty": 1.0,
+        "presence_penalty": -0.5, "repetition_penalty": 1.2, "logit_bias": {7: -100.0, 9: 2.5}, "min_p": 0.1}
+    assert parse(stop=".").options == {"stop": (".",)}
+    assert parse(n=4).options == {"n": 4} and refusal(n=129) == "n must be an integer in 1..128"
+    chat = [parse(logprobs=True, top_logprobs=3), parse(logprobs=True), parse(logprobs=False, top_logprobs=0)]
+    assert [item.options.get("logprobs") for item in chat] == [3, 0, None]
+    text = [parse(TEXT_URL, logprobs=2), parse(TEXT_URL, logprobs=0), parse(TEXT_URL, logprobs=False)]
+    assert [item.options.get("logprobs") for item in text] == [2, 0, None]
+    assert refusal(top_logprobs=2) == "top_logprobs needs logprobs: true"
+    assert refusal(TEXT_URL, logprobs=True).startswith("logprobs must be an integer in 0..20")
+    assert refusal(TEXT_URL, top_logprobs=2).startswith("top_logprobs is for /v1/chat/completions")
+    assert refusal(logprobs=2).startswith("logprobs must be a boolean")
 
 
 def test_top_k_is_honored_per_row_and_batches_rows_apart():

@@ -9,10 +9,14 @@ from collections import Counter
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import (AutoModelForCausalLM, LlamaConfig, LogitsProcessor, LogitsProcessorList,
+                          MinNewTokensLengthLogitsProcessor, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                          SequenceBiasLogitsProcessor)
 
+import batchspec.decoding.processors as processors
 import batchspec.decoding.sampling as sampling
-from batchspec.decoding import DecodeConfig, SamplingParams, decode_batch
+from batchspec.decoding import DecodeConfig, RowOptions, SamplingParams, decode_batch
+from batchspec.decoding.engine import BatchDecoder
 from batchspec.models import load_pair
 from batchspec.tiny import perturbed
 
@@ -122,6 +126,72 @@ def test_wrong_sampler_is_caught(models, target_samples, setting, drafter, monke
     _, ours = our_samples(target, draft if drafter == "model" else None, SETTINGS[setting],
                           ngram=LOOKUP if drafter == "ngram" else None)
     p = p_values(ours, target_samples[setting])
+    assert min(p.values()) < ALPHA, p
+
+
+PROCESSED = RowOptions(stop_token_ids=(2,), min_tokens=NEW_TOKENS, repetition_penalty=2.0, frequency_penalty=0.8,
+                       presence_penalty=0.5, logit_bias={4: 1.5, 6: -1.0})
+PROCESSED_SAMPLING = SamplingParams(temperature=1.0, min_p=0.1)
+
+
+class OpenAIPenalties(LogitsProcessor):
+    """The test's own reference: OpenAI's frequency/presence penalties on the output tokens."""
+
+    def __call__(self, input_ids, scores):
+        output = input_ids[:, len(PROMPT) :]
+        counts = torch.zeros_like(scores).scatter_add_(1, output, torch.ones_like(output, dtype=scores.dtype))
+        return scores - PROCESSED.frequency_penalty * counts - PROCESSED.presence_penalty * (counts > 0)
+
+
+@pytest.fixture(scope="module")
+def processed_target_samples(models):
+    """generate's sampling with transformers' processors for PROCESSED, in our order."""
+    target, _ = models
+    processors = LogitsProcessorList([
+        SequenceBiasLogitsProcessor([[[t], b] for t, b in PROCESSED.logit_bias.items()]),
+        RepetitionPenaltyLogitsProcessor(PROCESSED.repetition_penalty),
+        OpenAIPenalties(),
+        MinNewTokensLengthLogitsProcessor(len(PROMPT), PROCESSED.min_tokens, list(PROCESSED.stop_token_ids)),
+        MinPLogitsWarper(PROCESSED_SAMPLING.min_p),
+    ])
+    torch.manual_seed(321)
+    ids = torch.tensor([PROMPT] * SAMPLES)
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=None,
+                          max_new_tokens=NEW_TOKENS, pad_token_id=0, logits_processor=processors)
+    return out[:, len(PROMPT) :].tolist()
+
+
+def processed_samples(target, draft):
+    config = DecodeConfig(max_new_tokens=NEW_TOKENS, sampling=PROCESSED_SAMPLING, gamma=3)
+    out = decode_batch(target, draft, [PROMPT] * SAMPLES, list(range(SAMPLES)), config, [PROCESSED] * SAMPLES)
+    return [r.token_ids for r in out.rows]
+
+
+@pytest.mark.parametrize("mode", ["spec", "ar"])
+def test_sampling_with_penalties_bias_and_min_p_matches_target(models, processed_target_samples, mode):
+    target, draft = models
+    ours = processed_samples(target, draft if mode == "spec" else None)
+    assert all(2 not in row for row in ours)  # min_tokens masked the stop id at every position
+    p = p_values(ours, processed_target_samples)
+    assert min(p.values()) > ALPHA, p
+
+
+def test_unprocessed_q_stays_lossless(models, processed_target_samples, monkeypatch):
+    """Any q is a valid proposal distribution as long as the proposals are drawn from the q the
+    acceptance test is given: a draft whose logits are left unprocessed only lowers acceptance."""
+    target, draft = models
+    monkeypatch.setattr(BatchDecoder, "process_draft", lambda self, logits, proposals: logits)
+    p = p_values(processed_samples(target, draft), processed_target_samples)
+    assert min(p.values()) > ALPHA, p
+
+
+def test_processing_blind_to_the_proposals_is_caught(models, processed_target_samples, monkeypatch):
+    """Processing position i as if the proposals before it were not in the context (p and q
+    alike) samples another distribution: the same two-sample test fails."""
+    target, draft = models
+    monkeypatch.setattr(processors, "prefix_counts",
+                        lambda tokens, vocab: torch.zeros(tokens.shape[0], tokens.shape[1] + 1, vocab))
+    p = p_values(processed_samples(target, draft), processed_target_samples)
     assert min(p.values()) < ALPHA, p
 
 

@@ -4,13 +4,14 @@ float, and the aten ops that read back a size or a scalar), so this holds on a C
 would on a GPU, where each read stalls the launch queue."""
 
 import collections
+from dataclasses import replace
 
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from batchspec.decoding import DecodeConfig, SamplingParams
+from batchspec.decoding import DecodeConfig, RowOptions, SamplingParams
 from batchspec.decoding.engine import BatchDecoder
 from batchspec.models import load_pair
 
@@ -46,7 +47,7 @@ class OpReads(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral"])
-@pytest.mark.parametrize("mode", ["auto", "switching", "ar", "ngram", "hybrid"])
+@pytest.mark.parametrize("mode", ["auto", "switching", "ar", "ngram", "hybrid", "options"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_every_step_reads_the_device_once(tiny_pair, family, mode, temperature):
     target, draft = tiny_pair(family, **({"window": 12} if family == "mistral" else {}))
@@ -55,10 +56,13 @@ def test_every_step_reads_the_device_once(tiny_pair, family, mode, temperature):
     config = DecodeConfig(max_new_tokens=12, eos_token_ids=pair.eos_token_ids, gamma_max=4, compact_at=1.0,
                           sampling=SamplingParams(temperature=temperature),
                           ngram=(1, 3) if mode in ("ngram", "hybrid") else None)
-    policy = Scripted([0, 3, 0, 0, 4, 1], gamma_max=4) if mode in ("switching", "ngram", "hybrid") else None
-    draft = pair.draft if mode in ("auto", "switching", "hybrid") else None
-    decoder = BatchDecoder(pair.target, draft, prompts, list(range(4)), config,
-                           max_new_tokens=[12, 5, 9, 2], policy=policy)  # rows finish at different steps
+    policy = Scripted([0, 3, 0, 0, 4, 1], gamma_max=4) if mode in ("switching", "ngram", "hybrid", "options") else None
+    draft = pair.draft if mode in ("auto", "switching", "hybrid", "options") else None
+    options = [RowOptions(max_new_tokens=k) for k in (12, 5, 9, 2)]  # rows finish at different steps
+    if mode == "options":  # stop strings (rows end on the host), logprobs, processing
+        options = [replace(o, stop=("e", "zz") if b else (), logprobs=2, repetition_penalty=1.2, frequency_penalty=0.5,
+                           min_tokens=1, logit_bias={5: 1.0}) for b, o in enumerate(options)]
+    decoder = BatchDecoder(pair.target, draft, prompts, list(range(4)), config, options, policy, pair.tokenizer)
     steps = []
     while not decoder.done:
         with FunctionReads() as calls, OpReads() as ops:

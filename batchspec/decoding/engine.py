@@ -8,9 +8,12 @@ Each step, for B live rows:
   1. choose:  the policy picks gamma for this step (fixed, or auto: 0..gamma_max).
   2. propose: the drafter proposes up to gamma tokens per row, d_1..d_G (G: the most any row
               proposes; a row proposing fewer pads its slots, which are never accepted).
-  3. verify:  the target scores [last, d_1..d_G] in ONE forward: logits [B, G+1, V].
+  3. verify:  the target scores [last, d_1..d_G] in ONE forward: logits [B, G+1, V], processed
+              (penalties, bias, min_tokens) at each position as if the proposals before it
+              had been emitted; the draft's q is processed alike.
   4. accept:  each row keeps n of its proposals plus one correction or bonus token.
-  5. emit:    stop inside the kept block at an EOS id or at max_new_tokens.
+  5. emit:    stop inside the kept block at an EOS or stop id, at max_new_tokens, or (on the
+              host) where a stop string completes.
   6. rollback: the target cache is cut to the longest kept row, shorter rows get holes in the
               mask; the drafter cuts its own state.
   7. evict:   finished rows leave the batch and the caches; compact when holes pile up.
@@ -27,9 +30,13 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from batchspec.decoding.drafters import Proposal, make_drafter
+from batchspec.decoding.drafters.proposal import on_device
 from batchspec.decoding.kv_cache import BatchKV
+from batchspec.decoding.options import RowOptions
 from batchspec.decoding.policy import ROW_DECAY, GammaPolicy, expected_tokens, row_alpha
+from batchspec.decoding.processors import Processors
 from batchspec.decoding.sampling import SamplingParams, accept_greedy, accept_sampled, probabilities
+from batchspec.decoding.stopping import StopStrings
 
 DRAFT, ACCEPT, NEXT = 0, 1, 2  # uniform streams: draft draws, accept tests, correction/bonus draws
 
@@ -63,8 +70,10 @@ class DecodeConfig:
 @dataclass
 class RowOutput:
     token_ids: list[int]
-    finish_reason: str  # "stop" (an EOS id) or "length" (max_new_tokens)
+    finish_reason: str  # "stop" (an EOS or stop id, or a stop string) or "length" (max_new_tokens)
     stats: dict
+    text_end: int | None = None  # a stop string ended the row: its text is decode(token_ids)[:text_end]
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None  # per token: its logprob, top (id, logprob)
 
 
 @dataclass
@@ -106,7 +115,11 @@ class Tally:
 
     index: int  # position of the row in the caller's prompt list
     gamma_max: int
+    stop: StopStrings | None = None  # the row's stop strings
+    top_logprobs: int | None = None  # None: no logprobs; k: keep each token's and the top k
     tokens: list[int] = field(default_factory=list)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    text_end: int | None = None  # where a stop string cut the text
     target_forwards: int = 0
     draft_forwards: int = 0
     speculative_steps: int = 0
@@ -119,10 +132,22 @@ class Tally:
     def __post_init__(self):
         self.histogram, self.gammas = [0] * (self.gamma_max + 1), [0] * (self.gamma_max + 1)
 
-    def add_step(self, proposed: int, source: str | None, n: int, draft_forwards: int, tokens: list[int]) -> None:
+    def cut_at_stop(self, tokens: list[int]) -> list[int]:
+        """The tokens up to the one that completes a stop string (all of them when none does)."""
+        for k, token in enumerate(tokens):
+            self.text_end = self.stop.add(token)
+            if self.text_end is not None:
+                return tokens[: k + 1]
+        return tokens
+
+    def add_step(self, proposed: int, source: str | None, n: int, draft_forwards: int, tokens: list[int],
+                 logprobs: list) -> None:
         """A step in which the row had `proposed` proposals from `source`, accepted n and gained
-        `tokens`; the draft model ran draft_forwards times."""
+        `tokens` (a block cut short keeps only the accepted proposals in it), with their logprobs;
+        the draft model ran draft_forwards times."""
+        n = min(n, len(tokens))
         self.tokens += tokens
+        self.logprobs += logprobs
         self.target_forwards += 1
         self.draft_forwards += draft_forwards
         self.gammas[proposed] += 1
@@ -148,7 +173,8 @@ class Tally:
             "model_steps": self.sources["model"],
             "ngram_steps": self.sources["ngram"],
         }
-        return RowOutput(self.tokens, "stop" if stopped else "length", stats)
+        return RowOutput(self.tokens, "stop" if stopped else "length", stats, self.text_end,
+                         self.logprobs if self.top_logprobs is not None else None)
 
 
 def left_pad(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,17 +215,51 @@ def start_rows(row_ids, limits: list[int], seeds: list[int], stop_ids: list[list
     )
 
 
-def verify(target_kv: BatchKV, rows: Rows, proposal: Proposal, lengths: torch.Tensor | None, params: SamplingParams):
+def prefill(target, ids: torch.Tensor, mask: torch.Tensor, prompts: list[list[int]]) -> BatchKV:
+    """The target's cache holding every prompt but its last token (ids, mask: [B, P]). A prompt
+    that several rows share (n samples of one request) is prefilled once and its cache copied."""
+    first: dict[tuple, int] = {}
+    source = [first.setdefault(tuple(prompt), b) for b, prompt in enumerate(prompts)]  # [B] the row prefilled
+    distinct = list(first.values())  # [U]
+    if ids.shape[1] == 1:  # nothing to prefill
+        return BatchKV(target, len(prompts), ids.device)
+    kv = BatchKV(target, len(distinct), ids.device)
+    kv.forward(ids[distinct, :-1], mask[distinct, :-1], logits_to_keep=1)
+    if len(distinct) < len(prompts):
+        at = {b: k for k, b in enumerate(distinct)}
+        kv.select(torch.tensor([at[b] for b in source], device=ids.device))
+    return kv
+
+
+def verify(target_kv: BatchKV, rows: Rows, proposal: Proposal, lengths: torch.Tensor | None, params: SamplingParams,
+           processors: Processors, logprobs: bool):
     """The target scores [last, d_1..d_G] in one forward. lengths: [B] proposals per row (None:
-    all G). Returns n [B] and next_token [B]."""
+    all G). Returns n [B], next_token [B] and, when asked, the raw log-softmax [B, G+1, V] of
+    the target's logits (before any processing or warping)."""
     draft_tokens, gamma = proposal.tokens, proposal.width
     inputs = torch.cat([rows.last[:, None], draft_tokens], dim=1)  # [B, G+1]
     logits = target_kv.forward(inputs, torch.ones_like(inputs))  # [B, G+1, V]
+    raw = torch.log_softmax(logits.float(), dim=-1) if logprobs else None
+    logits = processors(logits, draft_tokens, rows.produced)
     if params.greedy:
-        return accept_greedy(logits, draft_tokens, lengths)
+        return *accept_greedy(logits, draft_tokens, lengths), raw
     p = probabilities(logits, params)  # [B, G+1, V]
     u_accept, u_next = rows.uniform(ACCEPT, gamma), rows.uniform(NEXT, gamma + 1)
-    return accept_sampled(p, proposal.q, draft_tokens, u_accept, u_next, lengths)
+    return *accept_sampled(p, proposal.q, draft_tokens, u_accept, u_next, lengths), raw
+
+
+def token_logprobs(raw: torch.Tensor, new: torch.Tensor, k: int) -> torch.Tensor:
+    """raw [B, G+1, V] log-softmax, new [B, G+1] the blocks' tokens -> [B, G+1, 1 + 2k]: each
+    slot's token logprob, the top k logprobs and their ids."""
+    top = raw.topk(k, dim=-1)
+    return torch.cat([raw.gather(-1, new[..., None]), top.values, top.indices.to(raw.dtype)], dim=-1)
+
+
+def logprob_entries(values: list[float], count: int, k: int, top: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """A row's host copy of token_logprobs (its slots flattened, each 1 + 2 top values) -> for
+    its first `count` slots: (logprob, [(id, logprob)] of its own top k <= top)."""
+    slots = [values[j * (1 + 2 * top) : (j + 1) * (1 + 2 * top)] for j in range(count)]
+    return [(s[0], [(int(s[1 + top + i]), s[1 + i]) for i in range(k)]) for s in slots]
 
 
 def emit(rows: Rows, draft_tokens, n, next_token):
@@ -234,41 +294,41 @@ class BatchDecoder:
     with config.ngram n-gram lookup does (both: hybrid); neither: autoregressive.
 
     prompts: token ids per row, lengths may differ (each >= 1); row_ids: one id per row, which
-    seeds its randomness with its seed (seeds, default: config.seed); max_new_tokens: a limit
-    per row (default: config.max_new_tokens); stop_token_ids: per row, the ids that end it, kept
-    as its last token (default: config.eos_token_ids; a row's own list replaces them, so a row
-    may add stop ids or ignore EOS); policy: the gamma policy, shared by the batches of a run
-    (default: a fresh one from config).
-    Greedy output equals `target.generate(do_sample=False)` on each row alone; sampled output
-    follows the target's own sampling distribution.
+    seeds its randomness with its seed; options: each row's own RowOptions (limit, seed, stop
+    ids and strings, penalties, logprobs; default: the config's settings); policy: the gamma
+    policy, shared by the batches of a run (default: a fresh one from config); tokenizer: needed
+    by rows with stop strings.
+    Greedy output equals `target.generate(do_sample=False)` on each row alone, with the same
+    processing; sampled output follows the target's own sampling distribution.
     """
 
     @torch.inference_mode()
     def __init__(self, target, draft, prompts: list[list[int]], row_ids: list, config: DecodeConfig,
-                 max_new_tokens: list[int] | None = None, seeds: list[int] | None = None,
-                 policy: GammaPolicy | None = None, stop_token_ids: list[list[int]] | None = None):
-        limits = max_new_tokens or [config.max_new_tokens] * len(prompts)
-        seeds = seeds or [config.seed] * len(prompts)
-        stop_ids = stop_token_ids or [list(config.eos_token_ids) for _ in prompts]
-        if not prompts or not len(prompts) == len(row_ids) == len(limits) == len(seeds) == len(stop_ids):
-            raise ValueError("need one row id (and limit, seed and stop ids) per prompt and at least one prompt")
-        if min(limits) < 1:
-            raise ValueError("every row's max_new_tokens must be >= 1")
+                 options: list[RowOptions] | None = None, policy: GammaPolicy | None = None, tokenizer=None):
+        options = options or [RowOptions()] * len(prompts)
+        if not prompts or not len(prompts) == len(row_ids) == len(options):
+            raise ValueError("need one row id (and options) per prompt and at least one prompt")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
+        if tokenizer is None and any(o.stop for o in options):
+            raise ValueError("stop strings need the tokenizer")
         self.config, self.prompts = config, prompts
         self.policy = policy or config.policy()
         device = target.device
         ids, mask = left_pad(prompts, device)  # [B, P]
-        self.target_kv = BatchKV(target, len(prompts), device)
+        self.target_kv = prefill(target, ids, mask, prompts)
         vocab = target.get_output_embeddings().weight.shape[0]
         self.drafter = make_drafter(draft, config.ngram, prompts, ids, mask, vocab)
         gamma_max = self.policy.gamma_max if self.drafter else 0
+        limits = [o.max_new_tokens or config.max_new_tokens for o in options]
+        seeds = [config.seed if o.seed is None else o.seed for o in options]
+        stop_ids = [o.ending_ids(config.eos_token_ids) for o in options]
         self.rows = start_rows(row_ids, limits, seeds, stop_ids, config, gamma_max, device)
         self.rows.last = ids[:, -1]  # the last prompt token is fed by the first step, like any newest token
-        self.tallies = [Tally(b, gamma_max) for b in range(len(prompts))]  # the live rows, in batch order
-        if ids.shape[1] > 1:
-            self.target_kv.forward(ids[:, :-1], mask[:, :-1], logits_to_keep=1)
+        self.processors = Processors(options, prompts, self.rows.stop_ids, vocab, device)
+        self.top_logprobs = max((o.logprobs for o in options if o.logprobs is not None), default=None)
+        self.tallies = [Tally(b, gamma_max, StopStrings(o.stop, tokenizer, o.include_stop_str) if o.stop else None,
+                              o.logprobs) for b, o in enumerate(options)]  # the live rows, in batch order
         for tally, prompt in zip(self.tallies, prompts):
             tally.target_forwards = int(len(prompt) > 1)  # a 1-token prompt has nothing to prefill
         self.expected: list[float] | None = None  # tokens the live rows should yield per gamma (auto)
@@ -290,28 +350,41 @@ class BatchDecoder:
         gamma = self.policy.choose(B, self.expected) if drafter else 0
         if gamma:
             u = None if params.greedy else rows.uniform(DRAFT, gamma)  # [B, gamma]
-            proposal = drafter.propose(rows.last, gamma, params, u)
+            process = self.process_draft if self.processors.active else None
+            proposal = drafter.propose(rows.last, gamma, params, u, process)
         else:
             proposal = Proposal.none(rows.last)
         gamma, draft_tokens, lengths = proposal.width, proposal.tokens, proposal.short_lengths()
-        n, next_token = verify(target_kv, rows, proposal, lengths, params)
+        top = self.top_logprobs
+        n, next_token, raw = verify(target_kv, rows, proposal, lengths, params, self.processors, top is not None)
         slots, empty_slots = target_kv.mask.numel(), (target_kv.mask == 0).sum()
         longest_row = (target_kv.mask.sum(-1) - (gamma - n)).max()  # valid slots after the rollback
         new, count, finished, stopped = emit(rows, draft_tokens, n, next_token)
+        self.processors.emitted(new, count)
         expected = self.expected_tokens(n, lengths, gamma, finished) if drafter and self.policy.auto else n[:0]
+        logprobs = token_logprobs(raw, new, top) if raw is not None else n[:0]  # [B, G+1, 1 + 2 top]
         # the step's one host sync: the rows' new tokens and what the rollback, the eviction, the
         # compaction and the policy need
-        sync = (n, count, finished, stopped, new.flatten(), torch.stack([empty_slots, longest_row]), expected)
+        sync = (n, count, finished, stopped, new.flatten(), torch.stack([empty_slots, longest_row]), expected,
+                logprobs.flatten())
         host = torch.cat([t.double() for t in sync]).tolist()
-        n_host, count_host, finished_host, stopped_host, new_host, (empty_host, longest_host), expected_host = (
-            split(host, [t.numel() for t in sync]))
+        (n_host, count_host, finished_host, stopped_host, new_host, (empty_host, longest_host), expected_host,
+         lp_host) = split(host, [t.numel() for t in sync])
         self.expected = expected_host or None
         self.totals["slots"] += slots
         self.totals["empty_slots"] += int(empty_host)
         self.totals["verify_steps"] += 1
         blocks = [[int(t) for t in block[: int(k)]] for block, k in zip(split(new_host, [gamma + 1] * B), count_host)]
+        row_logprobs = split(lp_host, [len(lp_host) // B] * B) if top is not None else [[]] * B
         for b, tally in enumerate(self.tallies):
-            tally.add_step(proposal.lengths[b], proposal.sources[b], int(n_host[b]), proposal.forwards, blocks[b])
+            if tally.stop:  # a stop string may complete before the block's EOS or limit too
+                blocks[b] = tally.cut_at_stop(blocks[b])
+                if tally.text_end is not None:
+                    finished_host[b] = stopped_host[b] = True
+            k = tally.top_logprobs
+            entries = logprob_entries(row_logprobs[b], len(blocks[b]), k, top) if k is not None else []
+            tally.add_step(proposal.lengths[b], proposal.sources[b], int(n_host[b]), proposal.forwards, blocks[b],
+                           entries)
         max_n = int(max(n_host))
         if drafter:
             checked_host = sum(min(k + 1, proposed) for k, proposed in zip(n_host, proposal.lengths))
@@ -323,12 +396,19 @@ class BatchDecoder:
             drafter.verified(proposal, rows.last, n, max_n, blocks)
         rows.last = next_token
         if any(finished_host):
+            if any(t.stop for t in self.tallies):  # stop strings found on the host end rows too
+                finished = on_device(finished_host, finished.device, torch.bool)
             self.evict(finished, finished_host, stopped_host)
         if not self.done and target_kv.length - longest_host >= max(1, self.config.compact_at * target_kv.length):
             target_kv.compact(int(longest_host))
             if drafter:
                 drafter.compact()
             self.totals["compactions"] += 1
+
+    def process_draft(self, logits: torch.Tensor, proposals: torch.Tensor) -> torch.Tensor:
+        """The draft's next-token logits [B, V] after its proposals [B, i] of this step, processed
+        as the target's are at that position."""
+        return self.processors(logits[:, None], proposals, self.rows.produced, first=proposals.shape[1])[:, 0]
 
     def expected_tokens(self, n: torch.Tensor, lengths: torch.Tensor | None, gamma: int,
                         finished: torch.Tensor) -> torch.Tensor:
@@ -354,6 +434,7 @@ class BatchDecoder:
         self.tallies = [self.tallies[b] for b in kept]
         keep = torch.argsort(finished.to(torch.uint8), stable=True)[: len(kept)]  # kept, on the device
         self.rows.select(keep)
+        self.processors.select(keep)
         self.target_kv.select(keep)
         if self.drafter:
             self.drafter.select(keep, kept)
@@ -376,7 +457,7 @@ class BatchDecoder:
 
 
 def decode_batch(target, draft, prompts: list[list[int]], row_ids: list, config: DecodeConfig,
-                 max_new_tokens: list[int] | None = None, seeds: list[int] | None = None,
-                 policy: GammaPolicy | None = None, stop_token_ids: list[list[int]] | None = None) -> BatchOutput:
+                 options: list[RowOptions] | None = None, policy: GammaPolicy | None = None,
+                 tokenizer=None) -> BatchOutput:
     """Decode one static batch; see BatchDecoder."""
-    return BatchDecoder(target, draft, prompts, row_ids, config, max_new_tokens, seeds, policy, stop_token_ids).run()
+    return BatchDecoder(target, draft, prompts, row_ids, config, options, policy, tokenizer).run()

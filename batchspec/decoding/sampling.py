@@ -8,18 +8,19 @@ number of draft proposals per step. Shapes: B rows, G = gamma, V = vocabulary wi
 from dataclasses import dataclass
 
 import torch
-from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 HF_DEFAULT_TOP_K = 50  # what transformers' generate uses when neither caller nor model sets top_k
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy; top_k 0 and top_p 1.0 switch those filters off."""
+    """temperature 0 means greedy; top_k 0, top_p 1.0 and min_p 0 switch those filters off."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0  # drop tokens less likely than min_p times the likeliest
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -28,18 +29,20 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
 
-def resolve_sampling(generation_config, *, temperature=None, top_k=None, top_p=None) -> SamplingParams:
+def resolve_sampling(generation_config, *, temperature=None, top_k=None, top_p=None, min_p=None) -> SamplingParams:
     """Fill what the caller left as None from the target's generation_config, like `generate` does.
 
     The model decides greedy vs sampling only when the caller gives no temperature: its
-    `do_sample` false means greedy. top_k/top_p fall back to the model's values, then to
-    transformers' defaults (50 and 1.0).
+    `do_sample` false means greedy. top_k/top_p/min_p fall back to the model's values,
+    then to transformers' defaults (50, 1.0 and off).
     """
     if temperature is None:
         do_sample = bool(getattr(generation_config, "do_sample", False))
@@ -50,13 +53,15 @@ def resolve_sampling(generation_config, *, temperature=None, top_k=None, top_p=N
     if top_p is None:
         top_p = getattr(generation_config, "top_p", None)
         top_p = 1.0 if top_p is None else top_p
-    return SamplingParams(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
+    if min_p is None:
+        min_p = getattr(generation_config, "min_p", None) or 0.0
+    return SamplingParams(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), min_p=float(min_p))
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits: [..., V] -> warped probabilities [..., V] in float32.
 
-    Uses transformers' own warpers, in generate's order (temperature, top-k, top-p), so a row
+    Uses transformers' own warpers, in generate's order (temperature, top-k, top-p, min-p), so a row
     sampled here follows exactly the distribution `generate(do_sample=True)` samples from.
     """
     shape = logits.shape
@@ -66,6 +71,8 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         scores = TopKLogitsWarper(top_k=params.top_k)(None, scores)
     if params.top_p < 1.0:
         scores = TopPLogitsWarper(top_p=params.top_p)(None, scores)
+    if params.min_p:
+        scores = MinPLogitsWarper(min_p=params.min_p)(None, scores)
     return torch.softmax(scores, dim=-1).reshape(shape)
 
 

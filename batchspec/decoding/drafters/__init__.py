@@ -2,9 +2,10 @@
 
 A drafter keeps its own state (a draft model's KV cache, an n-gram index) in step with the
 batch's rows:
-  propose(last [B], gamma, params, u [B, G] | None) -> Proposal
+  propose(last [B], gamma, params, u [B, G] | None, process) -> Proposal
       up to gamma proposals per live row after its newest token `last` (not yet in any cache);
-      u: uniforms for a sampled draft model.
+      u: uniforms for a sampled draft model; process(logits [B, V], proposals so far [B, i]):
+      the rows' logits processing at that position (None: none), which a model draws q after.
   verified(proposal, last [B], n [B], max_n, appended)
       after the target's check of the step (Proposal.none(last) for a plain step): row b kept
       n[b] of its proposals, max_n = n.max() (host), and appended[b] (host) are the tokens the

@@ -24,11 +24,11 @@ class HybridDrafter:
     def behind(self) -> int:
         return self.model.behind
 
-    def propose(self, last: torch.Tensor, gamma: int, params, u) -> Proposal:
+    def propose(self, last: torch.Tensor, gamma: int, params, u, process=None) -> Proposal:
         looked = self.ngram.propose(last, gamma, params, u)
         if all(looked.lengths):  # every row has a match
             return looked
-        drafted = self.model.propose(last, gamma, params, u)
+        drafted = self.model.propose(last, gamma, params, u, process)
         matched = on_device([k > 0 for k in looked.lengths], last.device, torch.bool)[:, None]  # [B, 1]
         tokens = drafted.tokens.clone()  # [B, G]
         tokens[:, : looked.width] = torch.where(matched, looked.tokens, tokens[:, : looked.width])

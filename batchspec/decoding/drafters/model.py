@@ -37,15 +37,19 @@ class ModelDrafter:
         """Slots of owed tokens the next proposal must first feed (host int)."""
         return self.owed.shape[1]
 
-    def propose(self, last: torch.Tensor, gamma: int, params: SamplingParams, u: torch.Tensor | None) -> Proposal:
+    def propose(self, last: torch.Tensor, gamma: int, params: SamplingParams, u: torch.Tensor | None,
+                process=None) -> Proposal:
         """G = gamma forwards; the first also feeds the owed tokens. Proposes tokens [B, G] and q
-        [B, G, V] (None when greedy). u: [B, G] uniforms for sampled drafts."""
+        [B, G, V] (None when greedy). u: [B, G] uniforms for sampled drafts; process(logits [B, V],
+        proposals so far [B, i]) -> logits: the rows' logits processing (None: none)."""
         ones = torch.ones_like(last)[:, None]  # [B, 1]
         ids = torch.cat([self.owed, last[:, None]], dim=1)  # [B, K+1]
         mask = torch.cat([self.owed_mask, ones], dim=1)
         tokens, qs = [], []
         for i in range(gamma):
             logits = fit_width(self.kv.forward(ids, mask, logits_to_keep=1)[:, -1], self.vocab)  # [B, V]
+            if process is not None:
+                logits = process(logits, torch.stack(tokens, dim=1) if tokens else last.new_zeros(len(last), 0))
             if params.greedy:
                 x = logits.argmax(-1)
             else:

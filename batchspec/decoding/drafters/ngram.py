@@ -47,7 +47,7 @@ class NgramDrafter:
                 return [context[end + k % (L - end)] for k in range(gamma)]
         return []
 
-    def propose(self, last, gamma: int, params, u) -> Proposal:
+    def propose(self, last, gamma: int, params, u, process=None) -> Proposal:
         found = [self.lookup(b, gamma) for b in range(len(self.contexts))]
         width = max(map(len, found))
         padded = [tokens + [0] * (width - len(tokens)) for tokens in found]
