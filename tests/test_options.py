@@ -92,7 +92,7 @@ def stop_cut(pair, tokens: list[int], stop: str) -> int | None:
                  if stop in pair.tokenizer.decode(tokens[:j], skip_special_tokens=True)), None)
 
 
-@pytest.mark.parametrize("drafter", ["ar", "model", "self"])
+@pytest.mark.parametrize("drafter", ["ar", "model", "self", "ngram", "hybrid"])
 def test_stop_strings_end_rows_where_the_text_first_holds_one(pair, prompts, plain, drafter):
     """Stop strings spanning tokens, several per row, kept (include) or not; "self": the target
     drafts for itself, so every stop completes inside a fully accepted block."""
@@ -109,7 +109,7 @@ def test_stop_strings_end_rows_where_the_text_first_holds_one(pair, prompts, pla
         options.append(RowOptions(ignore_eos=True, stop=row_stops, include_stop_str=b % 2 == 1, logprobs=1,
                                   stop_token_ids=ids))
     draft = pair.target if drafter == "self" else None
-    out = run(pair, prompts, options, "ar" if drafter == "ar" else "model", draft=draft).rows
+    out = run(pair, prompts, options, "model" if drafter == "self" else drafter, draft=draft).rows
     for b, (row, text) in enumerate(zip(out, texts)):
         if not stops[b]:
             assert row.token_ids == plain[b] and row.text_end is None and row.finish_reason == "length"
@@ -125,11 +125,12 @@ def test_stop_strings_end_rows_where_the_text_first_holds_one(pair, prompts, pla
         assert sum(r.stats["accepted_tokens"] for r in out) > sum(len(r.token_ids) for r in out) / 2
 
 
-def test_logprobs_equal_ar_and_a_plain_forward(pair, prompts):
+@pytest.mark.parametrize("drafter", list(DRAFTERS))
+def test_logprobs_equal_ar_and_a_plain_forward(pair, prompts, drafter):
     """Raw log-softmax of the target, from the verify forward: spec (with processing on, which
     logprobs do not see) equals ar to 1e-4 and a forward over the whole row."""
     options = [RowOptions(logprobs=[3, None, 0, 5][b % 4], repetition_penalty=1.2) for b in range(len(prompts))]
-    spec, ar = run(pair, prompts, options, "model").rows, run(pair, prompts, options, "ar").rows
+    spec, ar = run(pair, prompts, options, drafter).rows, run(pair, prompts, options, "ar").rows
     for b, (s, a) in enumerate(zip(spec, ar)):
         assert s.token_ids == a.token_ids
         if options[b].logprobs is None:

@@ -161,16 +161,16 @@ def processed_target_samples(models):
     return out[:, len(PROMPT) :].tolist()
 
 
-def processed_samples(target, draft):
-    config = DecodeConfig(max_new_tokens=NEW_TOKENS, sampling=PROCESSED_SAMPLING, gamma=3)
+def processed_samples(target, draft, ngram=None):
+    config = DecodeConfig(max_new_tokens=NEW_TOKENS, sampling=PROCESSED_SAMPLING, gamma=3, ngram=ngram)
     out = decode_batch(target, draft, [PROMPT] * SAMPLES, list(range(SAMPLES)), config, [PROCESSED] * SAMPLES)
     return [r.token_ids for r in out.rows]
 
 
-@pytest.mark.parametrize("mode", ["spec", "ar"])
+@pytest.mark.parametrize("mode", ["spec", "ar", "ngram"])
 def test_sampling_with_penalties_bias_and_min_p_matches_target(models, processed_target_samples, mode):
     target, draft = models
-    ours = processed_samples(target, draft if mode == "spec" else None)
+    ours = processed_samples(target, draft if mode == "spec" else None, LOOKUP if mode == "ngram" else None)
     assert all(2 not in row for row in ours)  # min_tokens masked the stop id at every position
     p = p_values(ours, processed_target_samples)
     assert min(p.values()) > ALPHA, p
@@ -190,7 +190,7 @@ def test_processing_blind_to_the_proposals_is_caught(models, processed_target_sa
     alike) samples another distribution: the same two-sample test fails."""
     target, draft = models
     monkeypatch.setattr(processors, "prefix_counts",
-                        lambda tokens, vocab: torch.zeros(tokens.shape[0], tokens.shape[1] + 1, vocab))
+                        lambda tokens, first, vocab: torch.zeros(tokens.shape[0], tokens.shape[1] - first + 1, vocab))
     p = p_values(processed_samples(target, draft), processed_target_samples)
     assert min(p.values()) < ALPHA, p
 

@@ -18,11 +18,13 @@ import torch
 from batchspec.decoding.options import RowOptions
 
 
-def prefix_counts(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
-    """tokens [B, K] -> [B, K+1, V]: at position i, how often each id occurs in tokens[:, :i]."""
+def prefix_counts(tokens: torch.Tensor, first: int, vocab: int) -> torch.Tensor:
+    """tokens [B, first+J-1] -> [B, J, V]: at position j, how often each id occurs in
+    tokens[:, :first+j] (the first `first` summed once, the rest cumulated)."""
     B, K = tokens.shape
-    counts = torch.zeros(B, K + 1, vocab, dtype=torch.float32, device=tokens.device)
-    counts[:, 1:].scatter_(2, tokens[:, :, None], 1.0)
+    counts = torch.zeros(B, K - first + 1, vocab, dtype=torch.float32, device=tokens.device)
+    counts[:, 0].scatter_add_(1, tokens[:, :first], torch.ones_like(tokens[:, :first], dtype=torch.float32))
+    counts[:, 1:].scatter_(2, tokens[:, first:, None], 1.0)
     return counts.cumsum_(1)
 
 
@@ -58,9 +60,9 @@ class Processors:
         self.seen = torch.zeros(B, vocab if self.uses["repetition"] else 0, dtype=torch.bool, device=device)
         if self.uses["repetition"]:  # [B, V] prompt and output tokens
             put(self.seen, [(b, token, True) for b, prompt in enumerate(prompts) for token in prompt])
-        self.ending = torch.zeros(B, vocab + 1, dtype=torch.bool, device=device)
-        self.ending.scatter_(1, torch.where(ending < 0, vocab, ending), True)
-        self.ending = self.ending[:, :vocab]  # [B, V]
+        self.ending = torch.zeros(B, vocab + 1 if self.uses["min_tokens"] else 0, dtype=torch.bool, device=device)
+        if self.uses["min_tokens"]:  # [B, V] the ids masked before min_tokens
+            self.ending = self.ending.scatter_(1, torch.where(ending < 0, vocab, ending), True)[:, :vocab]
 
     @property
     def active(self) -> bool:
@@ -78,7 +80,7 @@ class Processors:
         if self.uses["bias"]:
             scores = scores + self.bias[:, None, :]
         proposed = proposals.shape[1] > 0 and (self.uses["repetition"] or self.uses["counts"])
-        before = prefix_counts(proposals, self.vocab)[:, first : first + J] if proposed else None  # [B, J, V]
+        before = prefix_counts(proposals, first, self.vocab) if proposed else None  # [B, J, V]
         if self.uses["repetition"]:
             seen = self.seen[:, None, :] | (before > 0) if proposed else self.seen[:, None, :]  # [B, J, V]
             penalty = self.repetition[:, None, None]
