@@ -47,6 +47,11 @@ class Cell:
     policy: GammaPolicy | None = None
     ideal: float | None = None  # the speed-up over ar its alpha promises at bare forward costs
     options: RowOptions | None = None  # every row's (--with-options)
+    samples: int = 1  # rows per prompt, side by side in a batch (--samples)
+
+    def prompts(self, prompts: list[list[int]]) -> list[list[int]]:
+        """The rows it decodes: as many as `prompts`, each prompt `samples` times in a row."""
+        return [prompts[i // self.samples] for i in range(len(prompts))]
 
     @property
     def tokens(self) -> int:
@@ -174,10 +179,11 @@ def decode_all(pair, cell: Cell, prompts: list[list[int]]) -> tuple[list, list]:
 
 
 def methods(pair, batch_size: int, drafters: list[str], gammas: list[int], base: DecodeConfig,
-            ngram: tuple[int, int], with_options: bool = False) -> list[Cell]:
+            ngram: tuple[int, int], with_options: bool = False, samples: int = 1) -> list[Cell]:
     """The cells one batch size compares: transformers' (its one-row methods at batch 1 only),
-    ar, the draft model at each fixed gamma, each drafter with auto (ngram: n-gram sizes), and
-    with_options: ar and the model's auto again with OPTIONS on every row."""
+    ar, the draft model at each fixed gamma, each drafter with auto (ngram: n-gram sizes),
+    with_options: ar and the model's auto again with OPTIONS on every row, and samples > 1: ar
+    over rows that repeat each prompt `samples` times, prefilled once (n) or each (copies)."""
     lookup = replace(base, ngram=ngram)
     one_row = [ASSISTED] * assistable(pair) + [LOOKUP] * ("ngram" in drafters) if batch_size == 1 else []
     cells = [Cell(batch_size, HF, base)] + [Cell(batch_size, m, lookup) for m in one_row]
@@ -192,21 +198,29 @@ def methods(pair, batch_size: int, drafters: list[str], gammas: list[int], base:
         cells.append(Cell(batch_size, AR + WITH_OPTIONS, base, options=OPTIONS))
         if "model" in drafters:
             cells.append(Cell(batch_size, AUTO + WITH_OPTIONS, base, pair.draft, options=OPTIONS))
+    if samples > 1:
+        cells.append(Cell(batch_size, copies(samples), replace(base, share_prefill=False), samples=samples))
+        cells.append(Cell(batch_size, f"{AR} n={samples}", base, samples=samples))
     for cell in cells:
-        cell.policy = cell.config.policy() if cell.method not in (HF, ASSISTED, LOOKUP, AR, AR + WITH_OPTIONS) else None
+        plain = cell.method in (HF, ASSISTED, LOOKUP) or cell.method.startswith(AR)  # no gamma policy
+        cell.policy = None if plain else cell.config.policy()
     return cells
 
 
+def copies(samples: int) -> str:
+    return f"{AR} x{samples} copies"
+
+
 def bench_size(pair, prompts, batch_size: int, drafters: list[str], gammas: list[int], base: DecodeConfig,
-               ngram: tuple[int, int], repeats: int, with_options: bool) -> list[Cell]:
+               ngram: tuple[int, int], repeats: int, with_options: bool, samples: int) -> list[Cell]:
     """Every method at one batch size: a warm-up batch each, then interleaved timed passes."""
-    cells = methods(pair, batch_size, drafters, gammas, base, ngram, with_options)
+    cells = methods(pair, batch_size, drafters, gammas, base, ngram, with_options, samples)
     costs = forward_costs(pair, prompts[:batch_size], max(gammas + [base.gamma_max]))
     for cell in cells:
-        decode_all(pair, cell, prompts[:batch_size])  # warm-up; auto measures its costs
+        decode_all(pair, cell, cell.prompts(prompts)[:batch_size])  # warm-up; auto measures its costs
     for _ in range(repeats):
         for cell in cells:
-            seconds, (outputs, stats) = timed(lambda c=cell: decode_all(pair, c, prompts))
+            seconds, (outputs, stats) = timed(lambda c=cell: decode_all(pair, c, c.prompts(prompts)))
             if seconds < cell.seconds:
                 cell.seconds, cell.outputs, cell.stats = seconds, outputs, stats
     for cell in cells:
@@ -223,7 +237,8 @@ def table(cells: list[Cell]) -> str:
         ar, hf = (next(c for c in row_cells if c.method == m) for m in (AR, HF))
         for c in row_cells:
             speedup = c.rate / ar.rate
-            same_as = next(a for a in row_cells if a.method.startswith(AR) and a.options == c.options)  # ar alike
+            same_as = next(a for a in row_cells if a.method.startswith(AR) and (a.options, a.samples)
+                           == (c.options, c.samples))  # ar with the same options and rows
             same = sum(a == b for a, b in zip(c.outputs, same_as.outputs))
             lines.append("| " + " | ".join([
                 str(size), c.method, f"{c.rate:.1f}", f"{speedup:.2f}", f"{c.rate / hf.rate:.2f}",
@@ -248,6 +263,9 @@ def verdicts(cells: list[Cell]) -> str:
             line += f", {rate[AUTO] / fixed.rate:.2f}x the best fixed ({fixed.method})"
         line += "".join(f"; {m}{WITH_OPTIONS} {rate[m + WITH_OPTIONS] / rate[m]:.2f}x without"
                         for m in (AR, AUTO) if m + WITH_OPTIONS in rate)
+        shared = next((c for c in row_cells if c.samples > 1 and c.config.share_prefill), None)
+        if shared:
+            line += f"; {shared.method} {shared.rate / rate[copies(shared.samples)]:.2f}x {shared.samples} copies"
         lines.append(line)
     return "\n".join(lines)
 
@@ -269,7 +287,8 @@ def load_prompts(path: str, tokenizer, count: int | None) -> list[list[int]]:
 
 def bench(*, target: str | None, draft: str | None, prompts: str, rows: int | None, batch_sizes: list[int],
           drafters: list[str], gammas: list[int], gamma_max: int, ngram_min: int, ngram_max: int,
-          max_new_tokens: int, repeats: int, dtype: str, device: str, with_options: bool = False) -> str:
+          max_new_tokens: int, repeats: int, dtype: str, device: str, with_options: bool = False,
+          samples: int = 1) -> str:
     """The markdown report of every method at every batch size on a model pair (default: the
     embedded one)."""
     if target is None:
@@ -284,7 +303,7 @@ def bench(*, target: str | None, draft: str | None, prompts: str, rows: int | No
     base = DecodeConfig(max_new_tokens=max_new_tokens, eos_token_ids=pair.eos_token_ids, gamma_max=gamma_max)
     cells = [cell for size in batch_sizes
              for cell in bench_size(pair, token_ids, size, drafters, gammas, base, (ngram_min, ngram_max), repeats,
-                                    with_options)]
+                                    with_options, samples)]
     where = f"{pair.target.device.type}, {str(pair.target.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads"
     refused = pair.draft is not None and not assistable(pair)
     note = "\n(no hf assisted: transformers refuses a draft of another vocabulary width)" if refused else ""

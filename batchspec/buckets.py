@@ -6,7 +6,7 @@ Knows the tokenizer (through `encode`), nothing of models. Errors pass straight 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from batchspec.errors import UsageError
+from batchspec.chat import ChatError, TemplateOptions, render
 from batchspec.request_body import SAMPLES, SAMPLING_KEYS
 from batchspec.sources import Row, RowError
 
@@ -91,24 +91,25 @@ def plan(
 
 def make_encoder(
     tokenizer, *, context_length: int | None, max_new_tokens: int, truncate: str | None,
-    chat: bool = False, system: str | None = None,
+    chat: bool = False, system: str | None = None, template: TemplateOptions = TemplateOptions(),
 ) -> Encode:
-    """Token ids per row. Chat rows (and, with `chat`, plain prompts as one user message) go
-    through the tokenizer's chat template with the generation prompt; other prompts are raw
-    text (with the tokenizer's own special tokens, e.g. a BOS). `system` adds a system message
-    to chats that have none. Then prompt tokens + max_new_tokens (the row's own, else the
-    run's) <= context_length, or the prompt is cut on the `truncate` side ("left" keeps its
-    end, "right" keeps its start)."""
+    """Token ids per row. Chat rows (and, with `chat`, plain prompts as one user message) are
+    rendered by the chat template (chat.render) with the run's `template` options and the row's
+    own over them; other prompts are raw text (with the tokenizer's own special tokens, e.g. a
+    BOS). `system` adds a system message to chats that have none. Then prompt tokens +
+    max_new_tokens (the row's own, else the run's) <= context_length, or the prompt is cut on
+    the `truncate` side ("left" keeps its end, "right" keeps its start)."""
 
-    def chat_ids(messages: list[dict]) -> list[int]:
-        if system is not None and messages[0]["role"] != "system":
-            messages = [{"role": "system", "content": system}, *messages]
-        if not tokenizer.chat_template:
-            raise UsageError("the target's tokenizer has no chat template, so chat rows (messages, --chat, "
-                             "--system) cannot be rendered; give plain prompts or a chat model")
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+    def chat_ids(row: Row) -> list[int] | RowError:
+        try:
+            return render(tokenizer, row.messages or [{"role": "user", "content": row.prompt}],
+                          template.over(row.chat), system)
+        except ChatError as e:
+            return RowError(row.line, row.id, e.kind, str(e))
 
-    def fit(row: Row, ids: list[int]) -> list[int] | RowError:
+    def fit(row: Row, ids: list[int] | RowError) -> list[int] | RowError:
+        if isinstance(ids, RowError):
+            return ids
         if not ids:
             return RowError(row.line, row.id, "empty_prompt", "the prompt has no tokens")
         unknown = sorted(t for t in row.options.get("logit_bias", ()) if t >= len(tokenizer))
@@ -133,7 +134,7 @@ def make_encoder(
         out = []
         for row in rows:
             if row.messages is not None or chat:
-                ids = chat_ids(row.messages or [{"role": "user", "content": row.prompt}])
+                ids = chat_ids(row)
             else:
                 ids = next(raw_ids)
             out.append(fit(row, ids))

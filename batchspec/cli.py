@@ -1,5 +1,6 @@
 """Command line: parse options into one RunConfig and call the job. The only module using click."""
 
+import json
 import sys
 import tomllib
 import traceback
@@ -62,6 +63,21 @@ class Bias(click.ParamType):
         if token_id < 0 or not -100 <= number <= 100:
             self.fail(f"need a token id >= 0 and a bias in [-100, 100], got {value!r}", param, ctx)
         return f"{token_id}={number:g}"
+
+
+class JsonObject(click.ParamType):
+    """--chat-template-kwargs: a JSON object (or a table in --config), kept as canonical JSON text."""
+
+    name = "JSON"
+
+    def convert(self, value, param, ctx):
+        try:
+            obj = value if isinstance(value, dict) else json.loads(value)
+        except ValueError as e:
+            self.fail(f"not JSON ({e}): {value!r}", param, ctx)
+        if not isinstance(obj, dict):
+            self.fail(f"expected a JSON object, e.g. '{{\"enable_thinking\": false}}', got {value!r}", param, ctx)
+        return json.dumps(obj, sort_keys=True)
 
 
 GAMMA_HELP = ("Draft tokens proposed per step: auto chooses 0..--gamma-max before every step from the measured "
@@ -155,6 +171,13 @@ def main():
         help="Input field holding a chat ([{role, content}]), used when a row has no prompt.")
 @option("--chat", is_flag=True, default=False, help="Wrap plain prompts as one user message (chat template).")
 @option("--system", default=None, help="System message added to every chat that has none.")
+@option("--chat-template", type=click.Path(exists=True, dir_okay=False), default=None,
+        help="Jinja chat template file replacing the tokenizer's (a request's chat_template replaces both).")
+@option("--chat-template-kwargs", type=JsonObject(), default=None,
+        help="JSON object of extra chat template variables, e.g. '{\"enable_thinking\": false}' (a request's "
+        "own are merged over it).")
+@option("--continue-final-message", is_flag=True, default=False,
+        help="Leave each chat's final (assistant) message open and continue it instead of opening a new turn.")
 @option("--truncate", type=click.Choice(["left", "right"]), default=None,
         help="Cut prompts too long for the context (left keeps the end) instead of an error record.")
 @option("--token-ids", is_flag=True, default=False, help="Add the generated token ids to each record.")
@@ -224,6 +247,8 @@ def int_list(text: str, name: str) -> list[int]:
 @option("--repeats", type=click.IntRange(1), default=2, help="Interleaved timed passes; the best counts.")
 @option("--with-options", is_flag=True, default=False,
         help="Also ar and spec auto with every logits processor (too weak to change a token) and 5 logprobs.")
+@option("--samples", type=click.IntRange(1, 128), default=1,
+        help="N > 1: also ar over rows that repeat each prompt N times, prefilled once (as n: N) and each.")
 @option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", help="Model dtype.")
 @option("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
 @option("--debug", is_flag=True, default=False, help="Show tracebacks.")

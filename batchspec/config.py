@@ -14,7 +14,8 @@ FINGERPRINT_FIELDS = (
     "target", "draft", "ngram", "ngram_min", "ngram_max", "mode", "gamma", "gamma_max", "max_new_tokens",
     "temperature", "top_k", "top_p", "min_p", "seed", "stop", "min_new_tokens", "repetition_penalty",
     "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "n", "dtype",
-    "split", "subset", "prompt_field", "id_field", "messages_field", "chat", "system", "truncate", "token_ids",
+    "split", "subset", "prompt_field", "id_field", "messages_field", "chat", "system", "chat_template",
+    "chat_template_kwargs", "continue_final_message", "truncate", "token_ids",
     "output_format", "keep_fields", "keep_all_fields", "num_shards", "shard_index",
 )  # what changes the records (or which rows a shard holds); batch size, window and device only change the speed
 
@@ -58,6 +59,9 @@ class RunConfig:
     messages_field: str = "messages"
     chat: bool = False  # wrap plain prompts as one user message
     system: str | None = None  # system message for chats that have none
+    chat_template: str | None = None  # a Jinja file replacing the tokenizer's chat template
+    chat_template_kwargs: str | None = None  # a JSON object of extra template variables, e.g. enable_thinking
+    continue_final_message: bool = False  # chats end in an open assistant message to continue
     truncate: str | None = None  # None, "left" or "right"
     token_ids: bool = False
     output_format: str = "batchspec"  # or "openai" (OpenAI-batch output lines)
@@ -76,6 +80,8 @@ class RunConfig:
         """What a resumed run must share with the run that started OUT."""
         options = self.options()
         fingerprint = {"options": {k: options[k] for k in FINGERPRINT_FIELDS}, "input": input_identity(self.input)}
+        if self.chat_template is not None:  # what the template says, not only where it is
+            fingerprint["chat_template"] = file_identity(self.chat_template)
         return orjson.loads(orjson.dumps(fingerprint))  # as it reads back from JSON (tuples are lists)
 
     @property

@@ -12,6 +12,7 @@ import transformers
 import batchspec
 from batchspec import shards
 from batchspec.buckets import Batch, make_encoder, plan
+from batchspec.chat import run_template_options
 from batchspec.config import RunConfig
 from batchspec.decoding import DecodeConfig, RowOptions, resolve_sampling
 from batchspec.decoding.engine import BatchDecoder, split
@@ -72,8 +73,9 @@ def shard_items(cfg: RunConfig):
 
 
 def encoder(cfg: RunConfig, tokenizer, context: int | None):
+    template = run_template_options(cfg.chat_template, cfg.chat_template_kwargs, cfg.continue_final_message, tokenizer)
     return make_encoder(tokenizer, context_length=context, max_new_tokens=cfg.max_new_tokens, truncate=cfg.truncate,
-                        chat=cfg.chat, system=cfg.system)
+                        chat=cfg.chat, system=cfg.system, template=template)
 
 
 def sample_id(row_id: str, index: int) -> str:

@@ -4,6 +4,8 @@ the output, and which it refuses by name (nothing is ignored silently)."""
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from batchspec.chat import CHAT_KEYS, renders
+
 
 def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -49,7 +51,8 @@ TOOL_CHOICE = Check(lambda v: isinstance(v, (str, dict)), "a string or an object
 POSITIVE = Check(lambda v: is_number(v) and v > 0, "a number > 0")
 
 
-GENERATION, STRUCTURED, CHAT = "generation options", "structured outputs", "chat requests"
+GENERATION, STRUCTURED = "generation options", "structured outputs"
+LEGACY = "the legacy function calling: give tools and tool_choice"
 
 
 @dataclass(frozen=True)
@@ -84,16 +87,9 @@ UNHONORED = {
     "guided_choice": Unhonored(STRINGS, (), STRUCTURED),
     "guided_grammar": Unhonored(STRING, (), STRUCTURED),
     "structured_outputs": Unhonored(OBJECT, (), STRUCTURED),
-    "tools": Unhonored(LIST, ([],), CHAT),
-    "tool_choice": Unhonored(TOOL_CHOICE, ("none",), CHAT),
-    "functions": Unhonored(LIST, ([],), CHAT),
-    "function_call": Unhonored(TOOL_CHOICE, ("none",), CHAT),
-    "chat_template": Unhonored(STRING, (), CHAT),
-    "chat_template_kwargs": Unhonored(OBJECT, ({},), CHAT),
-    "add_generation_prompt": Unhonored(BOOLEAN, (True,), CHAT),
-    "continue_final_message": Unhonored(BOOLEAN, (False,), CHAT),
-    "documents": Unhonored(LIST, ([],), CHAT),
-    "reasoning_effort": Unhonored(STRING, (), CHAT),
+    "functions": Unhonored(LIST, ([],), LEGACY),
+    "function_call": Unhonored(TOOL_CHOICE, ("none",), LEGACY),
+    "reasoning_effort": Unhonored(STRING, (), "reasoning effort: set the template's own flag in chat_template_kwargs"),
     "stream": Unhonored(BOOLEAN, (False,), "streaming"),
     "modalities": Unhonored(STRINGS, (["text"],), "audio"),
     "audio": Unhonored(OBJECT, (), "audio"),
@@ -108,9 +104,11 @@ def quoted(keys: list[str]) -> str:
 
 def body_problem(body: dict, input_key: str) -> str | None:
     """Why batchspec would not answer this request body as asked, or None: keys nobody knows, bad
-    values, and keys it does not honor yet with a value that would change the output."""
-    known = HONORED_KEYS | NO_EFFECT_KEYS | UNHONORED.keys() | {input_key}
+    values, chat keys on a completions body, and keys it does not honor yet with a value that
+    would change the output."""
+    known = HONORED_KEYS | NO_EFFECT_KEYS | UNHONORED.keys() | set(CHAT_KEYS) | {input_key}
     unknown = sorted(body.keys() - known)
+    misplaced = sorted(k for k in CHAT_KEYS if renders(k, body.get(k))) if input_key != "messages" else []
     invalid, unsupported = [], []
     for key in sorted(body.keys() & UNHONORED.keys()):
         rule, value = UNHONORED[key], body[key]
@@ -119,6 +117,8 @@ def body_problem(body: dict, input_key: str) -> str | None:
         elif value is not None and not rule.is_off(value):
             unsupported.append(key)
     problems = [f"unrecognized request argument{'s' * (len(unknown) > 1)} {quoted(unknown)}"] if unknown else []
+    if misplaced:
+        problems.append(f"{quoted(misplaced)} {'is' if len(misplaced) == 1 else 'are'} for /v1/chat/completions")
     problems += invalid
     if unsupported:
         features = ", ".join(dict.fromkeys(UNHONORED[key].feature for key in unsupported))

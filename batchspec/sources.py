@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from batchspec.errors import UsageError, first_line
+from batchspec.chat import chat_request
 from batchspec.idset import IdSet
 from batchspec.request_body import body_problem, request_options
 
@@ -26,6 +27,7 @@ class Row:
     fields: dict = field(repr=False)  # the whole input object
     messages: list[dict] | None = None  # [{role, content}, ...] for a chat row
     options: dict = field(default_factory=dict)  # per-row RowOptions and SamplingParams fields (request_options)
+    chat: dict = field(default_factory=dict)  # per-row TemplateOptions fields (chat_request)
     endpoint: str | None = None  # an OpenAI-batch request's url
 
 
@@ -96,12 +98,13 @@ def row_id(obj: dict, id_field: str, line: int) -> str:
 
 
 def check_messages(messages, name: str) -> str | None:
-    """Why `messages` is not a usable chat, or None when it is."""
+    """Why `messages` is not a chat, or None when it is (its contents are checked as it is
+    rendered: chat.render)."""
     if not isinstance(messages, list) or not messages:
         return f"field {name!r} must be a non-empty list of {{role, content}} objects"
     for k, m in enumerate(messages):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            return f"{name}[{k}] must be an object with string 'role' and 'content'"
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
+            return f"{name}[{k}] must be an object with a string 'role'"
     return None
 
 
@@ -136,13 +139,14 @@ def parse_request(obj: dict, line: int) -> Row | RowError:
         return RowError(line, custom_id, "invalid_request", problem)
     try:
         options = request_options(body, chat=input_key == "messages")
+        chat = chat_request(body) if input_key == "messages" else {}
     except ValueError as e:
         return RowError(line, custom_id, "invalid_request", str(e))
     if input_key == "messages":
         problem = check_messages(body.get("messages"), "body.messages")
         if problem:
             return RowError(line, custom_id, "invalid_messages", problem)
-        return Row(custom_id, line, None, obj, messages=body["messages"], options=options, endpoint=url)
+        return Row(custom_id, line, None, obj, messages=body["messages"], options=options, chat=chat, endpoint=url)
     if not isinstance(body.get("prompt"), str):
         return RowError(line, custom_id, "invalid_prompt", "'body.prompt' must be a string")
     return Row(custom_id, line, body["prompt"], obj, options=options, endpoint=url)

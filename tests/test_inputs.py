@@ -1,5 +1,7 @@
 """Inputs people have: Hub-layout dataset folders, OpenAI-batch files; kept fields; output as a dataset."""
 
+import os
+
 import orjson
 import pytest
 import torch
@@ -11,7 +13,7 @@ from batchspec.buckets import cut
 from batchspec.errors import UsageError
 from batchspec.models import load_pair
 from batchspec.sources import Fields, Row, read_input
-from test_job import ENV, run_cli
+from test_job import run_cli, run_here
 
 README = """---
 configs:
@@ -95,15 +97,14 @@ def test_dataset_split_and_subset(dataset_folder, models, tmp_path):
     (["--subset", "missing"], "cannot open dataset"),
 ])
 def test_dataset_errors_are_one_line_and_exit_2(dataset_folder, models, tmp_path, args, message):
-    result = run_cli(str(dataset_folder), "--id-field", "qid", "--out", str(tmp_path / "o.jsonl"), *models, *args)
-    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+    result = run_here(str(dataset_folder), "--id-field", "qid", "--out", str(tmp_path / "o.jsonl"), *models, *args)
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
 
 
 def test_hub_dataset_offline_is_a_clear_error(models, tmp_path):
-    env_result = run_cli("hf:someone/no-such-dataset", "--out", str(tmp_path / "o.jsonl"), *models)
-    assert env_result.returncode == 2
-    assert "cannot open dataset 'someone/no-such-dataset'" in env_result.stderr
-    assert "Traceback" not in env_result.stderr and ENV["HF_DATASETS_OFFLINE"] == "1"
+    result = run_here("hf:someone/no-such-dataset", "--out", str(tmp_path / "o.jsonl"), *models)
+    assert result.exit_code == 2 and os.environ["HF_DATASETS_OFFLINE"] == "1"  # conftest's: never the network
+    assert "cannot open dataset 'someone/no-such-dataset'" in result.output and "Traceback" not in result.output
 
 
 def request(custom_id, body, url="/v1/chat/completions"):

@@ -35,9 +35,9 @@ def generate(pair, prompt, eos_ids=(), **processing) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-def run(pair, prompts, options, drafter="model", draft=None):
-    """decode_batch greedy; drafter: a DRAFTERS key or "ar"."""
-    settings = DRAFTERS.get(drafter, {})
+def run(pair, prompts, options, drafter="model", draft=None, **config):
+    """decode_batch greedy; drafter: a DRAFTERS key or "ar"; config: more DecodeConfig fields."""
+    settings = DRAFTERS.get(drafter, {}) | config
     config = DecodeConfig(max_new_tokens=MAX_NEW, eos_token_ids=pair.eos_token_ids, **settings)
     draft = draft or (pair.draft if drafter in ("model", "hybrid") else None)
     return decode_batch(pair.target, draft, prompts, list(range(len(prompts))), config, options,
@@ -150,16 +150,17 @@ def test_logprobs_equal_ar_and_a_plain_forward(pair, prompts, drafter):
             assert [[i for i, _ in top] for _, top in s.logprobs] == raw.topk(k).indices.tolist()
 
 
-def test_rows_sharing_a_prompt_are_prefilled_once(pair, prompts, plain):
-    """n samples of a request (here: repeated prompts) share one prefill; each row's output is
-    still the target alone's."""
+@pytest.mark.parametrize("share", [True, False])
+def test_rows_sharing_a_prompt_are_prefilled_once(pair, prompts, plain, share):
+    """n samples of a request (here: repeated prompts) share one prefill (unless share_prefill is
+    off, bench's baseline); each row's output is still the target alone's."""
     rows = [prompts[1], prompts[5], prompts[1], prompts[1], prompts[3], prompts[5]]
     prefill_rows = []
     hook = pair.target.register_forward_pre_hook(
         lambda m, args, kw: prefill_rows.append(kw["input_ids"].shape) if not prefill_rows else None, with_kwargs=True)
     try:
-        out = run(pair, rows, [RowOptions(ignore_eos=True)] * len(rows))
+        out = run(pair, rows, [RowOptions(ignore_eos=True)] * len(rows), share_prefill=share)
     finally:
         hook.remove()
-    assert prefill_rows[0][0] == 3  # three distinct prompts
+    assert prefill_rows[0][0] == (3 if share else 6)  # three distinct prompts
     assert [r.token_ids for r in out.rows] == [plain[b] for b in (1, 5, 1, 1, 3, 5)]

@@ -49,10 +49,8 @@ REFUSED = [  # valid values of keys batchspec does not honor yet
     ("echo", True), ("suffix", ""), ("response_format", {"type": "json_object"}),
     ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}), ("guided_json", {}),
     ("guided_regex", "a+"), ("guided_choice", ["yes", "no"]), ("guided_grammar", "root ::= 'a'"),
-    ("structured_outputs", {"choice": ["a"]}), ("tools", [{"type": "function"}]), ("tool_choice", "auto"),
-    ("functions", [{"name": "f"}]), ("function_call", {"name": "f"}), ("chat_template", "{{ messages }}"),
-    ("chat_template_kwargs", {"enable_thinking": False}), ("add_generation_prompt", False),
-    ("continue_final_message", True), ("documents", [{"text": "d"}]), ("reasoning_effort", "low"), ("stream", True),
+    ("structured_outputs", {"choice": ["a"]}), ("functions", [{"name": "f"}]), ("function_call", {"name": "f"}),
+    ("reasoning_effort", "low"), ("stream", True),
     ("modalities", ["text", "audio"]), ("audio", {"voice": "alloy"}), ("prediction", {"type": "content"}),
     ("web_search_options", {}),
 ]
@@ -100,6 +98,17 @@ def test_unknown_and_several_bad_keys_are_all_named_in_one_message(body, message
 
 def test_a_completion_request_takes_no_messages():
     assert refusal(TEXT_URL, messages=[]) == "unrecognized request argument 'messages'"
+
+
+@pytest.mark.parametrize("key, value", [
+    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("documents", [{"text": "d"}]),
+    ("chat_template", "{{ messages }}"), ("chat_template_kwargs", {"enable_thinking": False}),
+    ("add_generation_prompt", False), ("continue_final_message", True),
+])
+def test_chat_keys_are_honored_for_chats_and_refused_for_completions(key, value):
+    """How they render: test_chat.py."""
+    assert isinstance(parse(**{key: value}), Row)
+    assert refusal(TEXT_URL, **{key: value}) == f"{key!r} is for /v1/chat/completions"
 
 
 def test_plain_rows_keep_other_fields_as_data():

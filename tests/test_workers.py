@@ -8,7 +8,7 @@ import subprocess
 import orjson
 import pytest
 
-from test_job import ENV, assert_same_as_reference, cli, run_cli, setup, sidecar, wait_for_records  # noqa: F401
+from test_job import ENV, assert_same_as_reference, cli, run_cli, run_here, setup, sidecar, wait_for_records  # noqa: F401
 
 
 def devices_run(setup, out) -> list[str]:
@@ -77,8 +77,15 @@ def test_a_stop_signal_reaches_every_worker(setup, tmp_path):
     (["--num-shards", "2", "--shard-index", "0"], "cannot be combined"),
     (["--out", "part-{shard}.jsonl"], "drop its {shard} placeholder"),
     (["--devices", "cpu,,cpu"], "comma-separated list"),
-    (["--target", "no/such-model"], "not merged"),  # every worker exits 2, so does the run
 ])
 def test_devices_usage_errors(setup, tmp_path, args, message):
-    result = run_cli(str(setup["input"]), "--out", str(tmp_path / "out.jsonl"), "--devices", "cpu,cpu", *args)
-    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+    """In process: caught before any worker starts."""
+    result = run_here(str(setup["input"]), "--out", str(tmp_path / "out.jsonl"), "--devices", "cpu,cpu", *args)
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+
+
+def test_workers_usage_errors_stop_the_run(setup, tmp_path):
+    """Every worker exits 2, so does the run, and nothing is merged."""
+    result = run_cli(str(setup["input"]), "--out", str(tmp_path / "out.jsonl"), "--devices", "cpu,cpu", "--target",
+                     "no/such-model")
+    assert result.returncode == 2 and "not merged" in result.stderr and "Traceback" not in result.stderr

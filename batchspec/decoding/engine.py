@@ -51,6 +51,7 @@ class DecodeConfig:
     ngram: tuple[int, int] | None = None  # (n_min, n_max): prompt lookup drafting (with a draft model: hybrid)
     seed: int = 0
     compact_at: float = 0.3  # compact the caches when this fraction of slots are pads or holes
+    share_prefill: bool = True  # prefill a prompt that several rows hold once (off: bench's baseline for n)
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -215,11 +216,11 @@ def start_rows(row_ids, limits: list[int], seeds: list[int], stop_ids: list[list
     )
 
 
-def prefill(target, ids: torch.Tensor, mask: torch.Tensor, prompts: list[list[int]]) -> BatchKV:
-    """The target's cache holding every prompt but its last token (ids, mask: [B, P]). A prompt
-    that several rows share (n samples of one request) is prefilled once and its cache copied."""
-    first: dict[tuple, int] = {}
-    source = [first.setdefault(tuple(prompt), b) for b, prompt in enumerate(prompts)]  # [B] the row prefilled
+def prefill(target, ids: torch.Tensor, mask: torch.Tensor, prompts: list[list[int]], share: bool = True) -> BatchKV:
+    """The target's cache holding every prompt but its last token (ids, mask: [B, P]). share: a
+    prompt that several rows hold (n samples of one request) is prefilled once, its cache copied."""
+    first: dict[tuple | int, int] = {}
+    source = [first.setdefault(tuple(prompt) if share else b, b) for b, prompt in enumerate(prompts)]  # [B]
     distinct = list(first.values())  # [U]
     if ids.shape[1] == 1:  # nothing to prefill
         return BatchKV(target, len(prompts), ids.device)
@@ -316,7 +317,7 @@ class BatchDecoder:
         self.policy = policy or config.policy()
         device = target.device
         ids, mask = left_pad(prompts, device)  # [B, P]
-        self.target_kv = prefill(target, ids, mask, prompts)
+        self.target_kv = prefill(target, ids, mask, prompts, config.share_prefill)
         vocab = target.get_output_embeddings().weight.shape[0]
         self.drafter = make_drafter(draft, config.ngram, prompts, ids, mask, vocab)
         gamma_max = self.policy.gamma_max if self.drafter else 0
