@@ -9,11 +9,16 @@ auto is timed as it runs once it has measured its step costs. Tokens/s counts ea
 completion tokens.
 """
 
+import os
+import re
+import statistics
+import threading
 import time
 from dataclasses import dataclass, field, replace
 
 import torch
 
+from batchspec.bench_files import best_configs, write_results
 from batchspec.buckets import make_encoder
 from batchspec.decoding import DecodeConfig, RowOptions, decode_batch
 from batchspec.decoding.engine import left_pad
@@ -21,6 +26,7 @@ from batchspec.decoding.kv_cache import BatchKV
 from batchspec.decoding.policy import GammaPolicy
 from batchspec.defaults import default_draft, default_target
 from batchspec.errors import UsageError
+from batchspec.fidelity import mean_jsd, mismatches
 from batchspec.models import load_pair
 from batchspec.sources import Row, RowError, read_jsonl
 
@@ -41,9 +47,12 @@ class Cell:
     method: str  # HF, ASSISTED, LOOKUP, AR, AUTO, NGRAM, HYBRID or "spec gamma=N"
     config: DecodeConfig
     draft: object | None = None  # the draft model its decoder runs
-    seconds: float = float("inf")  # best pass
-    outputs: list[list[int]] = field(default_factory=list)  # completion token ids per prompt
-    stats: list[dict] = field(default_factory=list)  # per-row stats (batchspec methods)
+    times: list[float] = field(default_factory=list)  # seconds of each timed pass
+    outputs: list[list[int]] = field(default_factory=list)  # completion token ids per prompt (best pass)
+    stats: list[dict] = field(default_factory=list)  # per-row stats (batchspec methods; best pass)
+    forwards: int = 0  # target forwards in the best pass
+    peak_mib: float | None = None  # the most memory a pass held above what was held before it
+    mismatches: list[dict] = field(default_factory=list)  # rows unlike its reference's (fidelity.mismatches)
     policy: GammaPolicy | None = None
     ideal: float | None = None  # the speed-up over ar its alpha promises at bare forward costs
     options: RowOptions | None = None  # every row's (--with-options)
@@ -58,8 +67,25 @@ class Cell:
         return sum(len(ids) for ids in self.outputs)
 
     @property
+    def seconds(self) -> float:
+        return min(self.times)
+
+    @property
     def rate(self) -> float:
         return self.tokens / self.seconds
+
+    @property
+    def gamma(self) -> int | str | None:
+        """A fixed gamma, "auto", or None (no gamma policy)."""
+        return None if self.policy is None else "auto" if self.policy.auto else self.policy.fixed
+
+    @property
+    def wasted(self) -> float | None:
+        """Of the target cache slots decode steps wrote, the share rolled back (rejected proposals)."""
+        if not self.stats:
+            return None
+        rejected = self.total("draft_tokens") - self.total("accepted_tokens")
+        return rejected / (self.tokens + rejected) if self.tokens + rejected else 0.0
 
     def total(self, key: str) -> int:
         return sum(s[key] for s in self.stats)
@@ -213,19 +239,72 @@ def copies(samples: int) -> str:
 
 def bench_size(pair, prompts, batch_size: int, drafters: list[str], gammas: list[int], base: DecodeConfig,
                ngram: tuple[int, int], repeats: int, with_options: bool, samples: int) -> list[Cell]:
-    """Every method at one batch size: a warm-up batch each, then interleaved timed passes."""
+    """Every method at one batch size: a warm-up batch each, then interleaved timed passes
+    (counting target forwards and the memory each pass held)."""
     cells = methods(pair, batch_size, drafters, gammas, base, ngram, with_options, samples)
     costs = forward_costs(pair, prompts[:batch_size], max(gammas + [base.gamma_max]))
     for cell in cells:
         decode_all(pair, cell, cell.prompts(prompts)[:batch_size])  # warm-up; auto measures its costs
-    for _ in range(repeats):
-        for cell in cells:
-            seconds, (outputs, stats) = timed(lambda c=cell: decode_all(pair, c, c.prompts(prompts)))
-            if seconds < cell.seconds:
-                cell.seconds, cell.outputs, cell.stats = seconds, outputs, stats
+    forwards = 0
+
+    def count(*_):
+        nonlocal forwards
+        forwards += 1
+
+    hook = pair.target.register_forward_pre_hook(count)
+    try:
+        for _ in range(repeats):
+            for cell in cells:
+                forwards = 0
+                with PeakMemory(pair.target.device) as memory:
+                    seconds, (outputs, stats) = timed(lambda c=cell: decode_all(pair, c, c.prompts(prompts)))
+                if not cell.times or seconds < cell.seconds:
+                    cell.outputs, cell.stats, cell.forwards = outputs, stats, forwards
+                cell.times.append(seconds)
+                cell.peak_mib = max((m for m in (cell.peak_mib, memory.mib) if m is not None), default=None)
+    finally:
+        hook.remove()
     for cell in cells:
         cell.ideal = ideal_speedup(cell, costs)
     return cells
+
+
+class PeakMemory:
+    """The most memory (MiB) a block of work held above what was held when it began: the CUDA
+    allocator's peak on a GPU; on CPU the process's resident set, sampled every millisecond
+    (Linux; None elsewhere)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device, self.mib = device, None
+
+    def __enter__(self):
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+        elif os.path.exists("/proc/self/statm"):
+            self.base = self.peak = resident_bytes()
+            self.done = threading.Event()
+            self.sampler = threading.Thread(target=self.sample, daemon=True)
+            self.sampler.start()
+        return self
+
+    def sample(self) -> None:
+        while not self.done.wait(0.001):
+            self.peak = max(self.peak, resident_bytes())
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.mib = (torch.cuda.max_memory_allocated(self.device) - self.base) / 2**20
+        elif hasattr(self, "sampler"):
+            self.done.set()
+            self.sampler.join()
+            self.mib = (max(self.peak, resident_bytes()) - self.base) / 2**20
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def table(cells: list[Cell]) -> str:
@@ -237,15 +316,54 @@ def table(cells: list[Cell]) -> str:
         ar, hf = (next(c for c in row_cells if c.method == m) for m in (AR, HF))
         for c in row_cells:
             speedup = c.rate / ar.rate
-            same_as = next(a for a in row_cells if a.method.startswith(AR) and (a.options, a.samples)
-                           == (c.options, c.samples))  # ar with the same options and rows
-            same = sum(a == b for a, b in zip(c.outputs, same_as.outputs))
             lines.append("| " + " | ".join([
                 str(size), c.method, f"{c.rate:.1f}", f"{speedup:.2f}", f"{c.rate / hf.rate:.2f}",
-                f"{same}/{len(same_as.outputs)}", fmt(c.alpha), fmt(c.accepted_length), c.gammas_used(),
-                fmt(c.ideal), fmt(speedup / c.ideal if c.ideal else None),
+                f"{len(c.outputs) - len(c.mismatches)}/{len(c.outputs)}", fmt(c.alpha), fmt(c.accepted_length),
+                c.gammas_used(), fmt(c.ideal), fmt(speedup / c.ideal if c.ideal else None),
             ]) + " |")
     return "\n".join(lines)
+
+
+def reference(cell: Cell, cells: list[Cell]) -> Cell:
+    """The ar cell whose rows a cell's must equal: same batch size, options and rows."""
+    return next(a for a in cells if a.batch_size == cell.batch_size and a.method.startswith(AR)
+                and (a.options, a.samples) == (cell.options, cell.samples))
+
+
+def run_options(cell: Cell) -> dict | None:
+    """The `batchspec run` options that decode as the cell does (None: not a run setting)."""
+    if cell.options or cell.samples > 1 or cell.method in (HF, ASSISTED, LOOKUP):
+        return None
+    if cell.policy is None:
+        return {"mode": "ar"}
+    options = {"mode": "spec", "gamma": cell.gamma}
+    if cell.config.ngram:
+        options |= {"ngram_min": cell.config.ngram[0], "ngram_max": cell.config.ngram[1]}
+        options |= {"ngram": True} if cell.draft is not None else {"draft": "ngram"}
+    return options
+
+
+def result_rows(cells: list[Cell], jsd: float | None) -> list[dict]:
+    """One row per cell with bench_files.COLUMNS, each pass's seconds, every mismatch and the
+    run options it stands for."""
+    rows = []
+    for c in cells:
+        ar = next(a for a in cells if a.batch_size == c.batch_size and a.method == AR)
+        median = statistics.median(c.times)
+        first = c.mismatches[0] if c.mismatches else {}
+        rows.append({
+            "batch_size": c.batch_size, "method": re.sub(r" (auto|gamma=\d+)", "", c.method),
+            "gamma": "" if c.gamma is None else c.gamma, "tokens_per_s": c.rate,
+            "tokens_per_s_median": c.tokens / median,
+            "spread": (max(c.times) - min(c.times)) / median, "seconds_per_row": median / len(c.outputs),
+            "speedup_vs_ar": c.rate / ar.rate, "alpha": c.alpha, "accepted_length": c.accepted_length,
+            "target_forwards_per_token": c.forwards / c.tokens if c.tokens else None,
+            "wasted_cache_fraction": c.wasted, "peak_memory_mib": c.peak_mib, "rows": len(c.outputs),
+            "rows_equal_ar": len(c.outputs) - len(c.mismatches), "first_mismatch_row": first.get("row"),
+            "first_mismatch_position": first.get("position"), "first_mismatch_margin": first.get("margin"),
+            "jsd_target_draft": jsd, "times": c.times, "mismatches": c.mismatches, "run_options": run_options(c),
+        })
+    return rows
 
 
 def verdicts(cells: list[Cell]) -> str:
@@ -288,9 +406,11 @@ def load_prompts(path: str, tokenizer, count: int | None) -> list[list[int]]:
 def bench(*, target: str | None, draft: str | None, prompts: str, rows: int | None, batch_sizes: list[int],
           drafters: list[str], gammas: list[int], gamma_max: int, ngram_min: int, ngram_max: int,
           max_new_tokens: int, repeats: int, dtype: str, device: str, with_options: bool = False,
-          samples: int = 1) -> str:
+          samples: int = 1, out_dir: str | None = None, write_config: str | None = None) -> str:
     """The markdown report of every method at every batch size on a model pair (default: the
-    embedded one)."""
+    embedded one); out_dir: also results.csv, results.json and plots there; write_config: the
+    fastest setting per batch size as --config files."""
+    models = {"target": target, "draft": draft} if target is not None else {}  # for the config files
     if target is None:
         target, draft = default_target(), draft or default_draft()
     if draft is None and {"model", "hybrid"} & set(drafters):
@@ -304,10 +424,25 @@ def bench(*, target: str | None, draft: str | None, prompts: str, rows: int | No
     cells = [cell for size in batch_sizes
              for cell in bench_size(pair, token_ids, size, drafters, gammas, base, (ngram_min, ngram_max), repeats,
                                     with_options, samples)]
-    where = f"{pair.target.device.type}, {str(pair.target.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads"
+    for cell in cells:
+        cell.mismatches = mismatches(pair.target, cell.prompts(token_ids), cell.outputs, reference(cell, cells).outputs)
+    written = []
+    if out_dir or write_config:
+        ar_outputs = next(c.outputs for c in cells if c.method == AR)
+        jsd = mean_jsd(pair.target, pair.draft, token_ids, ar_outputs) if pair.draft is not None else None
+        rows = result_rows(cells, jsd)
+        about = {"target": target, "draft": draft, "device": str(pair.target.device), "dtype": str(pair.target.dtype),
+                 "threads": torch.get_num_threads(), "prompts": len(token_ids), "max_new_tokens": max_new_tokens,
+                 "repeats": repeats, "greedy": True}
+        written += write_results(out_dir, rows, about) if out_dir else []
+        settings = {**models, "dtype": dtype, "gamma_max": gamma_max}
+        written += best_configs(write_config, rows, settings) if write_config else []
+    dtype_name = str(pair.target.dtype).removeprefix("torch.")
+    where = f"{pair.target.device.type}, {dtype_name}, {torch.get_num_threads()} threads"
     refused = pair.draft is not None and not assistable(pair)
     note = "\n(no hf assisted: transformers refuses a draft of another vocabulary width)" if refused else ""
     drafted_by = f"draft  {draft if pair.draft is not None else '(none)'}; n-gram sizes {ngram_min}..{ngram_max}"
     return (f"target {target}\n{drafted_by}\n"
             f"{where}; {len(token_ids)} prompts, max_new_tokens {max_new_tokens}, "
-            f"greedy, best of {repeats}\n\n{table(cells)}\n\n{verdicts(cells)}{note}")
+            f"greedy, best of {repeats}\n\n{table(cells)}\n\n{verdicts(cells)}{note}"
+            + "".join(f"\nwrote {path}" for path in written))

@@ -24,9 +24,14 @@ def write_results(out_dir: str, rows: list[dict], about: dict) -> list[Path]:
     with open(folder / "results.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
         writer.writeheader()
-        writer.writerows({k: "" if row[k] is None else row[k] for k in COLUMNS} for row in rows)
+        writer.writerows({k: cell(row[k]) for k in COLUMNS} for row in rows)
     (folder / "results.json").write_text(json.dumps({"about": about, "results": rows}, indent=1) + "\n")
     return [folder / "results.csv", folder / "results.json", *plot(folder, rows)]
+
+
+def cell(value) -> str:
+    """A CSV cell: empty for None, floats to 6 significant digits."""
+    return "" if value is None else f"{value:.6g}" if isinstance(value, float) else str(value)
 
 
 def pyplot():
@@ -63,7 +68,11 @@ def plot(folder: Path, rows: list[dict]) -> list[Path]:
     for method in dict.fromkeys(label_of(r) for r in rows):
         points = sorted((r["batch_size"], r["tokens_per_s"]) for r in rows if label_of(r) == method)
         ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=method)
-    ax.set(xlabel="batch size", ylabel="tokens/s", title="throughput vs batch size", xscale="log", yscale="log")
+    sizes = sorted({r["batch_size"] for r in rows})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(size) for size in sizes], minor=False)
+    ax.minorticks_off()
+    ax.set(xlabel="batch size", ylabel="tokens/s", title="throughput vs batch size")
     ax.legend(fontsize="small")
     paths.append(save(fig, folder / "throughput_vs_batch.png"))
     return paths
@@ -81,14 +90,15 @@ def save(fig, path: Path) -> Path:
 
 
 def best_configs(path: str, rows: list[dict], settings: dict) -> list[Path]:
-    """The fastest batchspec setting of each batch size as a --config TOML: PATH for one batch
-    size, PATH's stem + "-b<N>" for each of several. settings(row) -> the run options it means."""
+    """The fastest batchspec setting of each batch size as a --config TOML, with `settings` (the
+    pair, dtype, ...): PATH for one batch size, PATH's stem + "-b<N>" for each of several."""
     sizes = sorted({r["batch_size"] for r in rows})
     written = []
     for size in sizes:
         ours = [r for r in rows if r["batch_size"] == size and r["run_options"] is not None]
         best = max(ours, key=lambda r: r["tokens_per_s"])
-        target = Path(path) if len(sizes) == 1 else Path(path).with_name(f"{Path(path).stem}-b{size}{Path(path).suffix}")
+        stem = Path(path)
+        target = stem if len(sizes) == 1 else stem.with_name(f"{stem.stem}-b{size}{stem.suffix}")
         header = f"# batchspec bench: fastest at batch {size}: {label_of(best)}, {best['tokens_per_s']:.1f} tok/s, " \
                  f"{best['speedup_vs_ar']:.2f}x ar\n[run]\n"
         target.write_text(header + as_toml({"batch_size": size, **settings, **best["run_options"]}) + "\n")

@@ -249,6 +249,10 @@ def int_list(text: str, name: str) -> list[int]:
         help="Also ar and spec auto with every logits processor (too weak to change a token) and 5 logprobs.")
 @option("--samples", type=click.IntRange(1, 128), default=1,
         help="N > 1: also ar over rows that repeat each prompt N times, prefilled once (as n: N) and each.")
+@option("--out-dir", type=click.Path(file_okay=False), default=None,
+        help="Also write results.csv, results.json (every pass, mismatches) and PNG plots here.")
+@option("--write-config", type=click.Path(dir_okay=False), default=None,
+        help="Write the fastest setting per batch size as a --config TOML (several sizes: FILE-b<N>.toml).")
 @option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", help="Model dtype.")
 @option("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
 @option("--debug", is_flag=True, default=False, help="Show tracebacks.")

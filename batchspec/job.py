@@ -1,5 +1,6 @@
 """The batch job: source -> buckets -> decoder -> sink, with progress, resume and clean stops."""
 
+import os
 import platform
 import time
 from collections import Counter
@@ -36,6 +37,8 @@ def with_default_models(cfg: RunConfig) -> RunConfig:
 
 
 def check_options(cfg: RunConfig) -> None:
+    if not cfg.input.startswith("hf:") and not os.path.exists(cfg.input):
+        raise UsageError(f"input not found: {cfg.input}")
     if cfg.mode not in ("spec", "ar"):
         raise UsageError(f"--mode must be spec or ar, got {cfg.mode!r}")
     if cfg.mode == "spec" and not cfg.draft and not cfg.dry_run:

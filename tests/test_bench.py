@@ -1,8 +1,20 @@
-"""The benchmark runs end to end on a tiny pair and reports every column (no timing asserted)."""
+"""The benchmark runs end to end on a tiny pair and reports every column, writes its files and
+plots (no timing asserted); its fidelity and memory measures."""
 
+import csv
+import json
+import math
 from pathlib import Path
 
-from batchspec.bench import bench
+import torch
+from click.testing import CliRunner
+from PIL import Image
+
+from batchspec.bench import PeakMemory, bench
+from batchspec.bench_files import COLUMNS
+from batchspec.cli import main
+from batchspec.fidelity import jensen_shannon, mean_jsd, mismatches
+from batchspec.models import load_pair
 
 PLAIN_PROMPTS = Path(__file__).resolve().parents[1] / "sample_data" / "plain_prompts.jsonl"
 
@@ -55,3 +67,70 @@ def test_bench_without_a_draft_model(tiny_pair):
     methods = [line.split("|")[2].strip() for line in report.splitlines() if line.startswith("| 1 ")]
     assert methods == ["hf generate", "hf prompt lookup", "ar", "ngram auto"]
     assert all(line.split("|")[6].strip() == "2/2" for line in report.splitlines() if line.startswith("| 1 "))
+
+
+def test_bench_files_plots_and_best_configs(tiny_pair, tmp_path):
+    """--out-dir: every column filled where it applies, each pass kept, plots that are real
+    images; --write-config: one --config file per batch size that `batchspec run` reads back."""
+    target, draft = tiny_pair("llama")
+    report = bench(target=str(target), draft=str(draft), prompts=str(PLAIN_PROMPTS), rows=2, batch_sizes=[1, 2],
+                   drafters=["model", "ngram"], gammas=[1, 2], gamma_max=3, ngram_min=1, ngram_max=3,
+                   max_new_tokens=6, repeats=2, dtype="float32", device="cpu", out_dir=str(tmp_path / "out"),
+                   write_config=str(tmp_path / "best.toml"))
+    with open(tmp_path / "out" / "results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == COLUMNS and len(rows) == 8 + 6  # hf (3 at batch 1), ar, gammas 1, 2, auto, ngram auto
+    mismatch = [c for c in COLUMNS if c.startswith("first_mismatch")]
+    for column in set(COLUMNS) - set(mismatch):
+        assert any(row[column] != "" for row in rows), column
+    assert all(row["rows_equal_ar"] == row["rows"] == "2" and all(row[c] == "" for c in mismatch) for row in rows)
+    spec = [row for row in rows if row["method"] == "spec"]
+    assert {row["gamma"] for row in spec} == {"1", "2", "auto"}
+    assert all(float(row["wasted_cache_fraction"]) >= 0 and float(row["target_forwards_per_token"]) > 0 for row in spec)
+    assert 0 < float(rows[0]["jsd_target_draft"]) < math.log(2)
+    results = json.loads((tmp_path / "out" / "results.json").read_text())["results"]
+    assert all(len(r["times"]) == 2 for r in results)
+    for name in ("speedup_vs_gamma.png", "alpha_vs_gamma.png", "throughput_vs_batch.png"):
+        with Image.open(tmp_path / "out" / name) as image:
+            assert image.width >= 400 and image.height >= 300, name
+            assert len(image.convert("RGB").getcolors(maxcolors=1 << 20)) > 50, name  # lines, text, not blank
+        assert f"wrote {tmp_path / 'out' / name}" in report
+    for size in (1, 2):
+        path = tmp_path / f"best-b{size}.toml"
+        fastest = max((r for r in rows if r["batch_size"] == str(size) and r["method"] in ("ar", "spec", "ngram")),
+                      key=lambda r: float(r["tokens_per_s"]))
+        printed = CliRunner().invoke(main, ["run", "in.jsonl", "--out", "o.jsonl", "--config", str(path),
+                                            "--print-config"]).output
+        assert f"batch_size = {size}" in printed and f'target = "{target}"' in printed
+        assert ('mode = "ar"' if fastest["method"] == "ar" else 'mode = "spec"') in printed, (fastest, printed)
+
+
+def test_mismatches_name_the_position_and_the_targets_margin(tiny_pair):
+    pair = load_pair(*map(str, tiny_pair("llama")), dtype="float32", device="cpu")
+    prompt = pair.tokenizer("the cat sat")["input_ids"]
+    ids = torch.tensor([prompt])
+    greedy = pair.target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=5,
+                                  pad_token_id=0)[0, len(prompt):].tolist()
+    wrong = greedy[:2] + [(greedy[2] + 1) % 50] + greedy[3:]
+    [found] = mismatches(pair.target, [prompt, prompt], [greedy, wrong], [greedy, greedy])
+    logits = pair.target(torch.tensor([prompt + greedy[:2]])).logits[0, -1]
+    top = logits.topk(2).values
+    assert found["row"] == 1 and found["position"] == 2 and abs(found["margin"] - (top[0] - top[1]).item()) < 1e-4
+    assert mean_jsd(pair.target, pair.target, [prompt], [greedy]) < 1e-6  # a draft that is the target
+    assert mean_jsd(pair.target, pair.draft, [prompt], [greedy]) > 1e-4
+    vocab = pair.draft.get_input_embeddings().num_embeddings
+    pair.draft.resize_token_embeddings(vocab - 8)  # a draft that covers part of the target's ids
+    assert 0 < mean_jsd(pair.target, pair.draft, [prompt], [greedy[:2] + [vocab - 1] + greedy[2:]]) < math.log(2)
+
+
+def test_jensen_shannon_bounds():
+    p = torch.tensor([[1.0, 0.0], [0.5, 0.5]])
+    q = torch.tensor([[0.0, 1.0], [0.5, 0.5]])
+    torch.testing.assert_close(jensen_shannon(p, q), torch.tensor([math.log(2), 0.0]))
+
+
+def test_peak_memory_sees_an_allocation():
+    with PeakMemory(torch.device("cpu")) as memory:
+        block = torch.ones(64 * 2**20 // 4)  # 64 MiB
+        block += 1
+    assert memory.mib is not None and memory.mib > 48

@@ -225,10 +225,10 @@ def test_keep_fields_and_output_loads_as_a_dataset(models, tmp_path):
     dataset = load_dataset("json", data_files=str(out), split="train")
     assert dataset.num_rows == 3 and {"id", "completion", "topic", "score", "stats"} <= set(dataset.column_names)
     every = tmp_path / "every.jsonl"
-    assert run_cli(str(source), "--out", str(every), *models, "--keep-all-fields").returncode == 0
+    assert run_here(str(source), "--out", str(every), *models, "--keep-all-fields").exit_code == 0
     assert {r["id"]: r.get("topic") for r in records(every)} == {"7": "pets", "b": "home", "3": None}
-    clash = run_cli(str(source), "--out", str(tmp_path / "c.jsonl"), *models, "--keep-fields", "completion")
-    assert clash.returncode == 2 and "already an output field" in clash.stderr
+    clash = run_here(str(source), "--out", str(tmp_path / "c.jsonl"), *models, "--keep-fields", "completion")
+    assert clash.exit_code == 2 and "already an output field" in clash.output
 
 
 def test_read_input_refuses_a_missing_path(tmp_path):

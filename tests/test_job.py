@@ -271,6 +271,12 @@ def test_usage_errors_exit_2_without_traceback(setup, tmp_path, args, message):
     assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
 
 
+def test_a_missing_input_is_one_line_and_exit_2(tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    result = run_here(str(missing), "--out", str(tmp_path / "o.jsonl"), "--mode", "ar")
+    assert result.exit_code == 2 and result.output == f"batchspec: error: input not found: {missing}\n"
+
+
 def test_ngram_and_hybrid_drafts_write_the_target_alones_records(setup, tmp_path):
     """--draft ngram (no draft model loaded) and --ngram beside the draft model (hybrid): the same
     token ids as --mode ar, each row saying which source proposed how often."""
@@ -323,12 +329,12 @@ def test_context_overflow_is_an_error_record_unless_truncated(setup, tmp_path):
                        + orjson.dumps({"id": "short", "prompt": "the cat"}) + b"\n")
     models = ["--target", str(setup["target"]), "--mode", "ar", "--no-progress", "--max-new-tokens", "1000"]
     out = tmp_path / "out.jsonl"
-    assert run_cli(str(source), "--out", str(out), *models).returncode == 3
+    assert run_here(str(source), "--out", str(out), *models).exit_code == 3  # in process: a whole run, no start-up
     error = orjson.loads(sidecar(out, ".errors.jsonl").read_bytes())
     assert error["id"] == "long" and error["error"]["type"] == "too_long" and "1024" in error["error"]["message"]
     for side in ("left", "right"):
         out = tmp_path / f"out-{side}.jsonl"
-        assert run_cli(str(source), "--out", str(out), *models, "--truncate", side).returncode == 0
+        assert run_here(str(source), "--out", str(out), *models, "--truncate", side).exit_code == 0
         assert {orjson.loads(line)["id"] for line in out.read_bytes().splitlines()} == {"long", "short"}
 
 

@@ -1,5 +1,6 @@
 """Shards: every row and every error line lands in exactly one shard; the union is one run."""
 
+import re
 import shutil
 import subprocess
 import sys
@@ -129,3 +130,5 @@ def test_status_reads_each_shard(sharded, tmp_path):
     shown = subprocess.run([sys.executable, "-m", "batchspec", "status", str(root / "part-{shard}.jsonl")],
                            env=ENV, capture_output=True, text=True)
     assert shown.returncode == 0 and shown.stdout.count("finished") == 3
+    speeds = [line.split()[5] for line in shown.stdout.splitlines()[1:]]
+    assert all(re.fullmatch(r"\d+\.\d", speed) for speed in speeds), shown.stdout  # tok/s, one decimal
