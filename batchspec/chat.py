@@ -2,15 +2,17 @@
 documents, and the chat template's options, rendered by the target's chat template (or one
 given) exactly as `tokenizer.apply_chat_template` renders them."""
 
+import functools
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import jinja2
+from jinja2 import nodes
 
 from batchspec.errors import UsageError
 
-PART_SEPARATOR = "\n"  # a message's text parts are joined with this (as vLLM joins them)
+PART_SEPARATOR = "\n"  # text parts are joined with this for templates that take strings (as vLLM joins them)
 CHAT_KEYS = ("tools", "tool_choice", "documents", "chat_template", "chat_template_kwargs", "add_generation_prompt",
              "continue_final_message")  # the body keys chat_request reads
 TOOL_CHOICES = ("auto", "none")  # "none": the tools stay out of the prompt; forcing a call needs a grammar
@@ -98,8 +100,9 @@ def renders(key: str, value) -> bool:
     return value is not None and value not in off
 
 
-def text_of(content, where: str) -> str:
-    """A message's content as one string: a string as it is, typed parts' texts joined."""
+def content_of(content, where: str, parts: bool) -> str | list[dict]:
+    """A message's content as the template takes it: a string as it is; typed parts checked
+    (text only) and, for a template that takes parts (`parts`), kept, else their texts joined."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -115,7 +118,7 @@ def text_of(content, where: str) -> str:
         if not isinstance(part.get("text"), str):
             raise ChatError("invalid_messages", f"{where}.content[{j}] is a text part without a string 'text'")
         texts.append(part["text"])
-    return PART_SEPARATOR.join(texts)
+    return [{"type": "text", "text": text} for text in texts] if parts else PART_SEPARATOR.join(texts)
 
 
 def tool_call(call, where: str) -> dict:
@@ -132,9 +135,10 @@ def tool_call(call, where: str) -> dict:
     return {**call, "function": {**function, "arguments": arguments}}
 
 
-def normalized(message: dict, where: str, developer: bool) -> dict:
-    """One message as templates take it: content a string, tool calls' arguments objects, and
-    the developer role as system unless the template knows it (developer True)."""
+def normalized(message: dict, where: str, developer: bool, parts: bool) -> dict:
+    """One message as the template takes it: content a string (or text parts, when `parts`),
+    tool calls' arguments objects, and the developer role as system unless the template knows
+    it (`developer`)."""
     out = dict(message)
     calls = message.get("tool_calls")
     if calls is not None:
@@ -142,7 +146,7 @@ def normalized(message: dict, where: str, developer: bool) -> dict:
             raise ChatError("invalid_messages", f"{where}.tool_calls must be a list")
         out["tool_calls"] = [tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)]
     if message.get("content") is not None or not calls:  # an assistant turn may be its tool calls alone
-        out["content"] = text_of(message.get("content"), where)
+        out["content"] = content_of(message.get("content"), where, parts)
     if message["role"] == "developer" and not developer:
         out["role"] = "system"
     return out
@@ -152,12 +156,15 @@ def render(tokenizer, messages: list[dict], options: TemplateOptions, system: st
     """Token ids of a chat (a list of objects with a string role, as sources checked it), with
     `system` added when it has no system (or developer) message. Raises ChatError for a chat the
     template cannot take, UsageError when there is no template at all."""
-    source = options.template or tokenizer.chat_template
-    if not source:
+    if not (options.template or tokenizer.chat_template):
         raise UsageError("the target's tokenizer has no chat template, so chat rows (messages, --chat, --system) "
                          "cannot be rendered; give plain prompts, a chat model or --chat-template FILE")
-    developer = "developer" in str(source)  # the template names the role: pass it through
-    chat = [normalized(m, f"messages[{k}]", developer) for k, m in enumerate(messages)]
+    try:
+        source = tokenizer.get_chat_template(options.template, options.tools)  # the one apply_chat_template uses
+    except ValueError as e:  # several named templates, none the default
+        raise UsageError(f"cannot render chat rows: {e}") from None
+    developer = "developer" in source  # the template names the role: pass it through
+    chat = [normalized(m, f"messages[{k}]", developer, takes_parts(source)) for k, m in enumerate(messages)]
     if system is not None and chat[0]["role"] not in ("system", "developer"):
         chat = [{"role": "system", "content": system}, *chat]
     text = apply(tokenizer, chat, options)
@@ -166,6 +173,29 @@ def render(tokenizer, messages: list[dict], options: TemplateOptions, system: st
             raise ChatError("invalid_request", f"the chat template does not render {name}; remove them or give "
                             "a template that does (chat_template, --chat-template)")
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def reads_content(node: nodes.Node) -> bool:
+    """node is x.content or x["content"] (through filters, e.g. content | selectattr(...))."""
+    while isinstance(node, nodes.Filter):
+        node = node.node
+    return (isinstance(node, nodes.Getattr) and node.attr == "content") or (
+        isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == "content")
+
+
+@functools.lru_cache(maxsize=64)
+def takes_parts(template: str) -> bool:
+    """Whether a template loops over a message's content, directly or through a variable set to
+    it: it takes OpenAI content parts (vLLM's test for its "openai" content format). One that
+    does not parse here (a tag of transformers' own) is taken to want strings."""
+    try:
+        tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateSyntaxError:
+        return False
+    aliases = {a.target.name for a in tree.find_all(nodes.Assign)
+               if isinstance(a.target, nodes.Name) and reads_content(a.node)}
+    return any(reads_content(loop.iter) or isinstance(loop.iter, nodes.Name) and loop.iter.name in aliases
+               for loop in tree.find_all(nodes.For))
 
 
 def apply(tokenizer, chat: list[dict], options: TemplateOptions) -> str:

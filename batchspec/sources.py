@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from batchspec.errors import UsageError, first_line
 from batchspec.chat import chat_request
+from batchspec.errors import UsageError, first_line
 from batchspec.idset import IdSet
 from batchspec.request_body import body_problem, request_options
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from batchspec.buckets import make_encoder
-from batchspec.chat import RESERVED_KWARGS, TemplateOptions, chat_request, run_template_options
+from batchspec.chat import RESERVED_KWARGS, TemplateOptions, chat_request, run_template_options, takes_parts
 from batchspec.config import RunConfig
 from batchspec.errors import UsageError
 from batchspec.models import load_pair
@@ -91,6 +91,12 @@ TOOL_TEMPLATE = (
     "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}{% endif %}"
 )
 KNOWS_DEVELOPER = TOOL_TEMPLATE + "{# passes the developer role through #}"
+PARTS_TEMPLATE = (  # loops over content parts, as multimodal-style templates do
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}{% else %}"
+    "{% for p in m.content %}[{{ p.text }}]{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TWO_PARTS = [{"type": "text", "text": "the cat"}, {"type": "text", "text": "sat"}]
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather", "parameters": CITY}}]
 USER = {"role": "user", "content": "the cat sat"}
@@ -103,9 +109,12 @@ TOOL_TURN = {"role": "tool", "tool_call_id": "c1", "content": "hot"}
 # (messages as the client writes them, body keys, the run's options) -> (messages and keyword
 # arguments apply_chat_template must get for the same prompt)
 CASES = {
-    "text parts": ([{"role": "user", "content": [{"type": "text", "text": "the cat"}, {"type": "text", "text": "sat"}]}
-                    ],
+    "text parts": ([{"role": "user", "content": TWO_PARTS}],
                    {}, TemplateOptions(), ([{"role": "user", "content": "the cat\nsat"}], {})),
+    "parts to a template that loops over them": ([{"role": "user", "content": TWO_PARTS}],
+                                                 {"chat_template": PARTS_TEMPLATE}, TemplateOptions(),
+                                                 ([{"role": "user", "content": TWO_PARTS}],
+                                                  {"chat_template": PARTS_TEMPLATE})),
     "tools": ([USER], {"tools": TOOLS, "tool_choice": "auto"}, TemplateOptions(), ([USER], {"tools": TOOLS})),
     "tool choice none": ([USER], {"tools": TOOLS, "tool_choice": "none"}, TemplateOptions(), ([USER], {})),
     "tool turns": ([USER, CALL, TOOL_TURN], {"tools": TOOLS}, TemplateOptions(),
@@ -148,6 +157,17 @@ def test_prompt_ids_equal_apply_chat_template(tool_tokenizer, case):
                                                   return_dict=False)
     assert encode([row]) == [list(expected)]
     assert messages == CASES[case][0]  # the row's own messages (its record's) are left as they came
+
+
+@pytest.mark.parametrize("template, parts", [
+    (TOOL_TEMPLATE, False), (PARTS_TEMPLATE, True),
+    ("{% for m in messages %}{% set c = m['content'] %}{% for p in c %}{{ p.text }}{% endfor %}{% endfor %}", True),
+    ("{% for m in messages %}{% for p in m.content | selectattr('type', 'eq', 'text') %}{{ p.text }}{% endfor %}"
+     "{% endfor %}", True),
+    ("{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}", False),
+])
+def test_templates_that_loop_over_content_take_parts(template, parts):
+    assert takes_parts(template) is parts
 
 
 def test_reserved_kwargs_cover_apply_chat_templates_own_arguments(tool_tokenizer):
