@@ -110,6 +110,9 @@ def make_encoder(
     def fit(row: Row, ids: list[int] | RowError) -> list[int] | RowError:
         if isinstance(ids, RowError):
             return ids
+        if row.chat and row.messages is None and not chat:
+            return RowError(row.line, row.id, "invalid_request", "tools are rendered by the chat template: give the "
+                            "row messages, or --chat to make its prompt one")
         if not ids:
             return RowError(row.line, row.id, "empty_prompt", "the prompt has no tokens")
         unknown = sorted(t for t in row.options.get("logit_bias", ()) if t >= len(tokenizer))

@@ -169,6 +169,8 @@ def main():
 @option("--id-field", default="id", help="Input field holding the row id (else the line number).")
 @option("--messages-field", default="messages",
         help="Input field holding a chat ([{role, content}]), used when a row has no prompt.")
+@option("--tools-field", default=None,
+        help="Input field holding a chat row's tools (a list of OpenAI function tools, or it as JSON text).")
 @option("--chat", is_flag=True, default=False, help="Wrap plain prompts as one user message (chat template).")
 @option("--system", default=None, help="System message added to every chat that has none.")
 @option("--chat-template", type=click.Path(exists=True, dir_okay=False), default=None,

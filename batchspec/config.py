@@ -14,7 +14,7 @@ FINGERPRINT_FIELDS = (
     "target", "draft", "ngram", "ngram_min", "ngram_max", "mode", "gamma", "gamma_max", "max_new_tokens",
     "temperature", "top_k", "top_p", "min_p", "seed", "stop", "min_new_tokens", "repetition_penalty",
     "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "n", "dtype",
-    "split", "subset", "prompt_field", "id_field", "messages_field", "chat", "system", "chat_template",
+    "split", "subset", "prompt_field", "id_field", "messages_field", "tools_field", "chat", "system", "chat_template",
     "chat_template_kwargs", "continue_final_message", "truncate", "token_ids",
     "output_format", "keep_fields", "keep_all_fields", "num_shards", "shard_index",
 )  # what changes the records (or which rows a shard holds); batch size, window and device only change the speed
@@ -57,6 +57,7 @@ class RunConfig:
     prompt_field: str = "prompt"
     id_field: str = "id"
     messages_field: str = "messages"
+    tools_field: str | None = None  # a field of tools rendered with each chat row
     chat: bool = False  # wrap plain prompts as one user message
     system: str | None = None  # system message for chats that have none
     chat_template: str | None = None  # a Jinja file replacing the tokenizer's chat template

@@ -99,17 +99,20 @@ def check_fingerprint(paths: OutputPaths, fingerprint: dict) -> None:
     if not paths.fingerprint.exists():
         write_atomic(paths.fingerprint, orjson.dumps(fingerprint, option=orjson.OPT_INDENT_2))
         return
-    stored = orjson.loads(paths.fingerprint.read_bytes())
-    if stored != fingerprint:
-        changed = sorted(
-            {k for k in stored.get("options", {}) | fingerprint["options"]
-             if stored.get("options", {}).get(k) != fingerprint["options"].get(k)}
-            | ({"input"} if stored.get("input") != fingerprint["input"] else set())
-        )
+    changed = changed_options(orjson.loads(paths.fingerprint.read_bytes()), fingerprint)
+    if changed:
         raise UsageError(
             f"{paths.out} was started by a run with different {', '.join(changed)}; rerun with the same "
             "options to resume, or pass --overwrite to start over"
         )
+
+
+def changed_options(stored: dict, fingerprint: dict) -> list[str]:
+    """What differs between a stored fingerprint and this run's. An option the stored one lacks
+    (added to batchspec since that run started) is unchanged while this run leaves it unset."""
+    old, new = stored.get("options", {}), fingerprint["options"]
+    changed = {k for k in old.keys() | new.keys() if (k in old or new[k]) and old.get(k) != new.get(k)}
+    return sorted(changed | {k for k in ("input", "chat_template") if stored.get(k) != fingerprint.get(k)})
 
 
 class Sink:

@@ -38,6 +38,7 @@ class Fields:
     prompt: str = "prompt"
     id: str = "id"
     messages: str = "messages"
+    tools: str | None = None  # a field of tools for the row's chat (--tools-field)
 
 
 @dataclass
@@ -162,18 +163,30 @@ def parse_object(obj, line: int, fields: Fields) -> Row | RowError:
         rid = row_id(obj, fields.id, line)
     except ValueError as e:
         return RowError(line, None, *e.args)
+    try:
+        chat = row_tools(obj.get(fields.tools)) if fields.tools else {}
+    except ValueError as e:
+        return RowError(line, rid, "invalid_request", f"field {fields.tools!r}: {e}")
     prompt = obj.get(fields.prompt)
     if prompt is None and obj.get(fields.messages) is not None:
         problem = check_messages(obj[fields.messages], fields.messages)
         if problem:
             return RowError(line, rid, "invalid_messages", problem)
-        return Row(rid, line, None, obj, messages=obj[fields.messages])
+        return Row(rid, line, None, obj, messages=obj[fields.messages], chat=chat)
     if prompt is None:
         what = "is null" if fields.prompt in obj else "is missing"
         return RowError(line, rid, "missing_prompt", f"field {fields.prompt!r} {what} (and no {fields.messages!r})")
     if not isinstance(prompt, str):
         return RowError(line, rid, "invalid_prompt", f"field {fields.prompt!r} must be a string, got {json_type(prompt)}")
-    return Row(rid, line, prompt, obj)
+    return Row(rid, line, prompt, obj, chat=chat)
+
+
+def row_tools(value) -> dict:
+    """A --tools-field value (a list of tools, or that list as JSON text, as many datasets keep
+    it) as the row's chat options (ValueError when it is neither)."""
+    if isinstance(value, str):
+        value = orjson.loads(value)  # a JSONDecodeError is a ValueError
+    return chat_request({"tools": value})
 
 
 def unique_ids(items: Iterator[Row | RowError]) -> Iterator[Row | RowError]:
@@ -267,5 +280,6 @@ def read_input(source: str, fields: Fields, *, split: str = "train", subset: str
 def read_run_input(source: str, options: dict):
     """read_input with a run's own fields, split and subset (RunConfig.options(), or the
     options in a run's summary)."""
-    fields = Fields(prompt=options["prompt_field"], id=options["id_field"], messages=options["messages_field"])
+    fields = Fields(prompt=options["prompt_field"], id=options["id_field"], messages=options["messages_field"],
+                    tools=options.get("tools_field"))  # (a summary written before --tools-field has none)
     return read_input(source, fields, split=options["split"], subset=options["subset"])

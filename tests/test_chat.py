@@ -13,7 +13,7 @@ from batchspec.chat import RESERVED_KWARGS, TemplateOptions, chat_request, run_t
 from batchspec.config import RunConfig
 from batchspec.errors import UsageError
 from batchspec.models import load_pair
-from batchspec.sources import Row, RowError, read_jsonl
+from batchspec.sources import Fields, Row, RowError, read_jsonl
 from test_job import run_cli
 
 
@@ -281,3 +281,25 @@ def test_chat_requests_through_the_cli(pair, tiny_pair, tmp_path):
                                         pad_token_id=0)[0, ids.shape[1] :].tolist()
         assert records[name]["stats"]["prompt_tokens"] == ids.shape[1], name
         assert records[name]["token_ids"] == expected, name
+
+
+def test_a_tools_field_renders_each_rows_tools(tool_tokenizer, tmp_path):
+    """--tools-field: a dataset's tools column (a list, or the list as JSON text) goes to the
+    template with the row's messages; a bad one, or tools on a row that is not a chat, is an
+    error record."""
+    path = tmp_path / "calls.jsonl"
+    path.write_bytes(b"".join(orjson.dumps(row) + b"\n" for row in [
+        {"id": "list", "messages": [USER], "tools": TOOLS},
+        {"id": "text", "messages": [USER], "tools": orjson.dumps(TOOLS).decode()},
+        {"id": "none", "messages": [USER]},
+        {"id": "bad", "messages": [USER], "tools": "{oops"},
+        {"id": "prompt", "prompt": "the cat", "tools": TOOLS},
+    ]))
+    items = list(read_jsonl(str(path), Fields(tools="tools")))
+    assert isinstance(items[3], RowError) and items[3].type == "invalid_request" and "'tools'" in items[3].message
+    rows = [items[k] for k in (0, 1, 2, 4)]
+    encoded = make_encoder(tool_tokenizer, context_length=None, max_new_tokens=8, truncate=None)(rows)
+    with_tools = tool_tokenizer.apply_chat_template([USER], tools=TOOLS, add_generation_prompt=True, return_dict=False)
+    plain = tool_tokenizer.apply_chat_template([USER], add_generation_prompt=True, return_dict=False)
+    assert encoded[:3] == [list(with_tools), list(with_tools), list(plain)]
+    assert isinstance(encoded[3], RowError) and "give the row messages, or --chat" in encoded[3].message

@@ -5,6 +5,8 @@ import sys
 
 import orjson
 
+from batchspec.config import RunConfig
+from batchspec.sink import changed_options
 from test_job import ENV, write_input
 
 
@@ -53,3 +55,16 @@ def test_a_config_file_drives_a_run(tiny_pair, tmp_path):
     records = [orjson.loads(line) for line in out.read_bytes().splitlines()]
     assert len(records) == 7  # 6 rows, and "row-7" of the bad lines is no duplicate in a 6-row file
     assert all(len(r["token_ids"]) <= 4 and r["stats"]["draft_tokens"] == 0 for r in records)
+
+
+def test_a_fingerprint_from_before_an_option_existed_still_resumes(tmp_path):
+    """An option added since OUT was started is unchanged while the run leaves it unset; set,
+    or any other change, is named."""
+    (tmp_path / "in.jsonl").write_text("{}\n")
+    now = RunConfig(input=str(tmp_path / "in.jsonl"), out="o.jsonl").fingerprint()
+    before = {**now, "options": {k: v for k, v in now["options"].items() if k != "tools_field"}}
+    assert changed_options(before, now) == []
+    with_tools = RunConfig(input=str(tmp_path / "in.jsonl"), out="o.jsonl", tools_field="tools").fingerprint()
+    assert changed_options(before, with_tools) == ["tools_field"]
+    longer = RunConfig(input=str(tmp_path / "in.jsonl"), out="o.jsonl", max_new_tokens=5).fingerprint()
+    assert changed_options(now, longer) == ["max_new_tokens"]
