@@ -183,6 +183,8 @@ def main():
 @option("--truncate", type=click.Choice(["left", "right"]), default=None,
         help="Cut prompts too long for the context (left keeps the end) instead of an error record.")
 @option("--token-ids", is_flag=True, default=False, help="Add the generated token ids to each record.")
+@option("--trace", is_flag=True, default=False,
+        help="Add each row's steps to its stats (proposals, accepted, token offsets), for `batchspec report`.")
 @option("--output-format", type=click.Choice(["batchspec", "openai"]), default="batchspec",
         help="Record schema: batchspec's own, or OpenAI-batch output lines (custom_id, response, error).")
 @option("--keep-fields", default="", help="Comma-separated input fields copied into each record.")
@@ -311,6 +313,29 @@ def status(out, debug):
 
     def job():
         click.echo(table(shard_states(out)))
+        return 0
+
+    sys.exit(guarded(job, debug))
+
+
+@main.command()
+@click.argument("out")
+@option("--html", type=click.Path(dir_okay=False), default=None,
+        help="The page to write. [default: OUT's name with .report.html]")
+@option("--rows", type=click.IntRange(0, 100_000), default=200, help="Rows shown token by token (a uniform sample).")
+@option("--seed", type=int, default=0, help="Seed of the row sample.")
+@option("--debug", is_flag=True, default=False, help="Show tracebacks.")
+def report(out, html, rows, seed, debug):
+    """One self-contained HTML page about a run's OUT (opens from disk, no network): summary,
+    throughput and acceptance over the run, histograms, errors by type with examples, and rows
+    whose tokens are coloured by origin (draft accepted, target corrected, bonus). Throughput and
+    the token view need records written with `batchspec run --trace`."""
+    from batchspec.report import report as write_report
+
+    def job():
+        path, found = write_report(out, html, rows, seed)
+        click.echo(f"wrote {path}: {found.records} rows ({len(found.sampled)} shown), "
+                   f"{sum(found.errors.values())} errors", err=True)
         return 0
 
     sys.exit(guarded(job, debug))

@@ -15,7 +15,7 @@ FINGERPRINT_FIELDS = (
     "temperature", "top_k", "top_p", "min_p", "seed", "stop", "min_new_tokens", "repetition_penalty",
     "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "n", "dtype",
     "split", "subset", "prompt_field", "id_field", "messages_field", "tools_field", "chat", "system", "chat_template",
-    "chat_template_kwargs", "continue_final_message", "truncate", "token_ids",
+    "chat_template_kwargs", "continue_final_message", "truncate", "token_ids", "trace",
     "output_format", "keep_fields", "keep_all_fields", "num_shards", "shard_index",
 )  # what changes the records (or which rows a shard holds); batch size, window and device only change the speed
 
@@ -65,6 +65,7 @@ class RunConfig:
     continue_final_message: bool = False  # chats end in an open assistant message to continue
     truncate: str | None = None  # None, "left" or "right"
     token_ids: bool = False
+    trace: bool = False  # each record's stats get its steps, for `batchspec report`
     output_format: str = "batchspec"  # or "openai" (OpenAI-batch output lines)
     keep_fields: tuple[str, ...] = ()  # input fields copied into each record
     keep_all_fields: bool = False

@@ -114,7 +114,7 @@ def decode(pair, batch: Batch, config: DecodeConfig, run_options: RowOptions, sa
 
 def record_maker(cfg: RunConfig, tokenizer) -> RecordMaker:
     return RecordMaker(tokenizer, output_format=cfg.output_format, model=cfg.target, created=int(time.time()),
-                       token_ids=cfg.token_ids, keep=cfg.keep_fields, keep_all=cfg.keep_all_fields)
+                       token_ids=cfg.token_ids, keep=cfg.keep_fields, keep_all=cfg.keep_all_fields, trace=cfg.trace)
 
 
 def with_shard(cfg: RunConfig) -> RunConfig:

@@ -12,11 +12,13 @@ from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import logging as hf_logging
 
 from batchspec.errors import UsageError, first_line
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CAUSAL_LMS = frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())  # the classes AutoModelForCausalLM builds
 
 
 class ModelError(UsageError):
@@ -97,15 +99,32 @@ def load_tokenizer(spec: str):
 
 
 def load_model(spec: str, dtype: torch.dtype, device: torch.device):
-    path = source(spec)
+    config = load_config(spec)  # refuses what is not a causal LM before any weight is read
     hf_logging.disable_progress_bar()  # the job shows its own progress
     try:
         # None: SDPA, or eager attention for the few architectures without an SDPA version
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=None)
+        model = AutoModelForCausalLM.from_pretrained(source(spec), config=config, dtype=dtype, attn_implementation=None)
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot load model {spec!r}: {first_line(e)}") from e
     check_layers(model, spec)
     return model.to(device).eval()
+
+
+def check_kind(config, spec: str) -> None:
+    """Refuse a checkpoint that is not a decoder-only causal LM: AutoModelForCausalLM would load
+    a BART as its decoder alone, or give a classifier or a masked LM a fresh random LM head, and
+    the run would write fluent nonsense with exit 0."""
+    if getattr(config, "is_encoder_decoder", False):
+        raise ModelError(
+            f"{spec!r} is an encoder-decoder model ({config.model_type}); batchspec decodes decoder-only causal "
+            "language models, encoder-decoder (seq2seq) models such as T5, BART or Marian are not supported yet"
+        )
+    listed = getattr(config, "architectures", None) or []
+    if listed and not CAUSAL_LMS & set(listed):
+        raise ModelError(
+            f"{spec!r} is a {listed[0]}, not a causal language model (a ...ForCausalLM); its weights hold no "
+            "next-token head for batchspec to decode with"
+        )
 
 
 def check_layers(model, spec: str) -> None:
@@ -152,11 +171,13 @@ def context_length(config) -> int | None:
 
 
 def load_config(spec: str):
-    """The model's config alone (no weights): enough for a dry run's context check."""
+    """The model's config alone (no weights), refused unless it is a causal LM's."""
     try:
-        return AutoConfig.from_pretrained(source(spec))
+        config = AutoConfig.from_pretrained(source(spec))
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot load the config of {spec!r}: {first_line(e)}") from e
+    check_kind(config, spec)
+    return config
 
 
 @dataclass

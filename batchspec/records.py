@@ -15,17 +15,19 @@ class RecordMaker:
     """Builds one output record per decoded row.
 
     output_format: "batchspec" or "openai"; keep: input fields copied to the top level of each
-    record (None when absent from a row); keep_all: copy every input field not already there.
+    record (None when absent from a row); keep_all: copy every input field not already there;
+    trace: each sample's stats get its steps ("trace", for `batchspec report`).
     """
 
     def __init__(self, tokenizer, *, output_format: str, model: str, created: int, token_ids: bool,
-                 keep: tuple[str, ...] = (), keep_all: bool = False):
+                 keep: tuple[str, ...] = (), keep_all: bool = False, trace: bool = False):
         reserved = OPENAI_FIELDS if output_format == "openai" else OUR_FIELDS
         clash = [name for name in keep if name in reserved]
         if clash:
             raise UsageError(f"--keep-fields {', '.join(clash)}: already an output field of the {output_format} format")
         self.tokenizer, self.format, self.model, self.created = tokenizer, output_format, model, created
         self.token_ids, self.keep, self.keep_all, self.reserved = token_ids, keep, keep_all, reserved
+        self.trace = trace
 
     @property
     def id_key(self) -> str:
@@ -44,6 +46,15 @@ class RecordMaker:
     def text(self, output) -> str:
         return self.tokenizer.decode(output.token_ids, skip_special_tokens=True)[: output.text_end]
 
+    def stats(self, output) -> dict:
+        """A sample's statistics; with trace, its steps too: per step the proposals and how many
+        were accepted, each token's start in the text (text_offset) and when the row finished."""
+        if not self.trace:
+            return output.stats
+        trace = output.trace | {"finished_at": round(output.trace["finished_at"], 3),
+                                "text_offset": text_offsets(self.tokenizer, output.token_ids)}
+        return output.stats | {"trace": trace}
+
     def ours(self, row, outputs: list) -> dict:
         """n = 1: completion, finish_reason, stats (token_ids, logprobs) at the top level; n > 1:
         a list of those in `samples`, and `stats` summing the token counts."""
@@ -54,7 +65,7 @@ class RecordMaker:
         return record | {"samples": samples, "stats": totals(outputs)}
 
     def sample(self, output) -> dict:
-        sample = {"completion": self.text(output), "finish_reason": output.finish_reason, "stats": output.stats}
+        sample = {"completion": self.text(output), "finish_reason": output.finish_reason, "stats": self.stats(output)}
         if self.token_ids:
             sample["token_ids"] = output.token_ids
         if output.logprobs is not None:
@@ -89,15 +100,11 @@ class RecordMaker:
 
     def completion_logprobs(self, output) -> dict:
         """choices[].logprobs of a (legacy) completion: parallel lists, text_offset into the text."""
-        pieces, text = [], IncrementalText(self.tokenizer)
-        for token in output.token_ids:
-            pieces.append(text.add(token))
-        offsets = [0, *itertools.accumulate(map(len, pieces))][:-1]
         return {
             "tokens": [self.token_text(token) for token in output.token_ids],
             "token_logprobs": [logprob for logprob, _ in output.logprobs],
             "top_logprobs": [{self.token_text(i): lp for i, lp in top} for _, top in output.logprobs],
-            "text_offset": offsets,
+            "text_offset": text_offsets(self.tokenizer, output.token_ids),
         }
 
     def openai(self, row, outputs: list) -> dict:
@@ -106,7 +113,8 @@ class RecordMaker:
         chat = (row.endpoint or (CHAT_URL if row.messages is not None else COMPLETIONS_URL)) == CHAT_URL
         digest = hashlib.blake2b(row.id.encode(), digest_size=12).hexdigest()
         choices = [self.choice(index, output, chat) for index, output in enumerate(outputs)]
-        extras = [output.stats | ({"token_ids": output.token_ids} if self.token_ids else {}) for output in outputs]
+        ids = [{"token_ids": output.token_ids} if self.token_ids else {} for output in outputs]
+        extras = [self.stats(output) | more for output, more in zip(outputs, ids)]
         usage = totals(outputs)
         body = {
             "id": ("chatcmpl-" if chat else "cmpl-") + digest,
@@ -121,6 +129,13 @@ class RecordMaker:
         request_id = f"batch_req_{digest}"
         return {"id": request_id, "custom_id": row.id,
                 "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
+
+
+def text_offsets(tokenizer, token_ids: list[int]) -> list[int]:
+    """Where each token's text starts in the decoded text (a token that completes no character
+    starts where the next one does)."""
+    text = IncrementalText(tokenizer)
+    return [0, *itertools.accumulate(len(text.add(token)) for token in token_ids)][:-1]
 
 
 def totals(outputs: list) -> dict:

@@ -95,8 +95,11 @@ def recover(path: Path) -> Iterator[dict]:
 
 
 def check_fingerprint(paths: OutputPaths, fingerprint: dict) -> None:
-    """First run: store the fingerprint. Later runs: refuse to mix outputs of different runs."""
-    if not paths.fingerprint.exists():
+    """First run: store the fingerprint. Later runs: refuse to mix outputs of different runs. A
+    run that stopped before writing a record (a model refused, a typo) mixes nothing: its
+    fingerprint is replaced."""
+    written = any(path.exists() and path.stat().st_size for path in (paths.out, paths.errors))
+    if not paths.fingerprint.exists() or not written:
         write_atomic(paths.fingerprint, orjson.dumps(fingerprint, option=orjson.OPT_INDENT_2))
         return
     changed = changed_options(orjson.loads(paths.fingerprint.read_bytes()), fingerprint)

@@ -4,13 +4,17 @@ import time
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, MambaConfig, PreTrainedTokenizerFast
+from transformers import (
+    AutoModelForCausalLM, BartConfig, BartForConditionalGeneration, BertConfig, BertForMaskedLM, LlamaConfig,
+    LlamaForSequenceClassification, MambaConfig, PreTrainedTokenizerFast, T5Config, T5ForConditionalGeneration,
+)
 
 from batchspec.defaults import default_target
 from batchspec.models import (
-    ModelError, check_same_tokenizer, gguf_folder, load_pair, resolve_device, resolve_dtype,
+    ModelError, check_same_tokenizer, gguf_folder, load_config, load_pair, resolve_device, resolve_dtype,
 )
 from batchspec.tiny import build_tokenizer
+from test_job import run_here
 
 
 def test_pair_with_a_different_tokenizer_is_refused_naming_the_id(tiny_pair, tmp_path):
@@ -37,6 +41,62 @@ def test_recurrent_model_is_refused(tmp_path):
     tokenizer.save_pretrained(tmp_path / "mamba")
     with pytest.raises(ModelError, match="MambaForCausalLM, whose recurrent state cannot be rolled back"):
         load_pair(str(tmp_path / "mamba"), dtype="float32", device="cpu")
+
+
+NOT_CAUSAL = {  # checkpoints AutoModelForCausalLM would refuse unclearly or load as something they are not
+    "t5": lambda v: T5ForConditionalGeneration(T5Config(vocab_size=v, d_model=32, d_kv=8, d_ff=64, num_layers=1,
+                                                        num_heads=4, decoder_start_token_id=0)),
+    "bart": lambda v: BartForConditionalGeneration(BartConfig(  # would load as BartForCausalLM: its decoder alone
+        vocab_size=v, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64)),
+    "bert": lambda v: BertForMaskedLM(BertConfig(vocab_size=v, hidden_size=32, num_hidden_layers=1,
+                                                 num_attention_heads=4, intermediate_size=64)),
+    "classifier": lambda v: LlamaForSequenceClassification(LlamaConfig(  # would get a fresh, random LM head
+        vocab_size=v, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        pad_token_id=0)),
+}
+
+
+@pytest.fixture(scope="module")
+def not_causal(tmp_path_factory):
+    """name -> folder of a tiny checkpoint that is not a decoder-only causal LM, with a tokenizer."""
+    root, tokenizer = tmp_path_factory.mktemp("not-causal"), build_tokenizer()
+    for name, build in NOT_CAUSAL.items():
+        build(len(tokenizer)).save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    return root
+
+
+@pytest.mark.parametrize("name, message", [
+    ("t5", r"'.+/t5' is an encoder-decoder model \(t5\)"),
+    ("bart", r"'.+/bart' is an encoder-decoder model \(bart\)"),
+    ("bert", r"'.+/bert' is a BertForMaskedLM, not a causal language model"),
+    ("classifier", r"'.+/classifier' is a LlamaForSequenceClassification, not a causal language model"),
+])
+def test_models_that_are_not_causal_lms_are_refused(not_causal, name, message):
+    """Refused before any weight is read, as target and as draft, and by the dry run's config check."""
+    with pytest.raises(ModelError, match=message):
+        load_pair(str(not_causal / name), dtype="float32", device="cpu")
+    with pytest.raises(ModelError, match=message):
+        load_config(str(not_causal / name))
+
+
+def test_a_seq2seq_target_stops_the_run_before_it_starts(not_causal, tiny_pair, tmp_path):
+    """Exit 2, one line, no record written, as target and as draft; the output then takes a run
+    with other models (a run that wrote nothing leaves no fingerprint to resume)."""
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"id": "a", "prompt": "the cat"}\n')
+    target, _ = tiny_pair("llama")
+    bart = str(not_causal / "bart")
+    for models in (["--target", bart, "--mode", "ar"], ["--target", str(target), "--draft", bart]):
+        for extra in ([], ["--dry-run"]):
+            result = run_here(str(source), "--out", str(tmp_path / "out.jsonl"), *models, *extra, "--no-progress")
+            assert result.exit_code == 2, result.output
+            assert "is an encoder-decoder model (bart)" in result.output and "Traceback" not in result.output
+            assert not (tmp_path / "out.jsonl").exists() or not (tmp_path / "out.jsonl").read_bytes()
+    result = run_here(str(source), "--out", str(tmp_path / "out.jsonl"), "--target", str(target), "--mode", "ar",
+                      "--max-new-tokens", "2", "--no-progress")
+    assert result.exit_code == 0, result.output
 
 
 def test_other_layer_types_are_refused(tiny_pair, tmp_path):

@@ -1,11 +1,10 @@
 """jobs/slurm_array.sbatch and jobs/merge.sbatch on a real SLURM: Debian's slurmctld and slurmd,
 installed if missing, started here on a generated one-node config (12 CPUs, three fake GPUs
-backed by character devices, requeued jobs restart after 10 s), stopped at the end. Without root or apt-get the tests skip and
-say why."""
+backed by character devices, requeued jobs restart after 10 s), stopped at the end. Without root
+or apt-get the tests skip and say why."""
 
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -15,30 +14,12 @@ from pathlib import Path
 import orjson
 import pytest
 
+from debian import install
 from test_job import ENV, lines, run_cli, sidecar, write_input
 
 REPO = Path(__file__).resolve().parents[1]
 TOOLS = ("slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "sinfo")
 NODE = "batchspec-ci"
-
-
-def install_slurm() -> str | None:
-    """Install Debian's SLURM if it is missing; the reason it cannot be run here, or None."""
-    if os.geteuid() != 0:
-        return "SLURM test needs root to install and start slurmctld/slurmd"
-    if all(shutil.which(tool) for tool in TOOLS):
-        return None
-    if not shutil.which("apt-get"):
-        return "SLURM is not installed and there is no apt-get to install it"
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "slurmctld", "slurmd", "slurm-client"]
-    result = subprocess.run(install, env=env, capture_output=True, text=True)
-    if result.returncode:  # stale package lists: refresh once
-        subprocess.run(["apt-get", "update", "-qq"], env=env, capture_output=True)
-        result = subprocess.run(install, env=env, capture_output=True, text=True)
-    if result.returncode:
-        return f"apt-get could not install SLURM: {result.stderr.strip()[-400:]}"
-    return None
 
 
 def free_port() -> int:
@@ -133,7 +114,8 @@ class Slurm:
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    reason = install_slurm()
+    reason = ("SLURM test needs root to start slurmctld/slurmd" if os.geteuid() != 0 else
+              install(["slurmctld", "slurmd", "slurm-client"], list(TOOLS), "the SLURM test"))
     if reason:
         pytest.skip(reason)
     cluster = Slurm(tmp_path_factory.mktemp("slurm"))

@@ -75,6 +75,7 @@ class RowOutput:
     stats: dict
     text_end: int | None = None  # a stop string ended the row: its text is decode(token_ids)[:text_end]
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None  # per token: its logprob, top (id, logprob)
+    trace: dict | None = None  # per step: proposals and how many were accepted; when the row finished
 
 
 @dataclass
@@ -129,6 +130,8 @@ class Tally:
     histogram: list[int] = field(init=False)  # accepted lengths 0..gamma_max (speculative steps)
     gammas: list[int] = field(init=False)  # steps per number of proposals 0..gamma_max (0: plain steps)
     sources: dict[str, int] = field(default_factory=lambda: {"model": 0, "ngram": 0})  # steps each proposed
+    proposed_steps: list[int] = field(default_factory=list)  # per step: proposals (0: a plain step)
+    accepted_steps: list[int] = field(default_factory=list)  # per step: proposals accepted
 
     def __post_init__(self):
         self.histogram, self.gammas = [0] * (self.gamma_max + 1), [0] * (self.gamma_max + 1)
@@ -152,6 +155,8 @@ class Tally:
         self.target_forwards += 1
         self.draft_forwards += draft_forwards
         self.gammas[proposed] += 1
+        self.proposed_steps.append(proposed)
+        self.accepted_steps.append(n)
         if proposed:
             self.sources[source] += 1
             self.speculative_steps += 1
@@ -174,8 +179,9 @@ class Tally:
             "model_steps": self.sources["model"],
             "ngram_steps": self.sources["ngram"],
         }
+        trace = {"proposed": self.proposed_steps, "accepted": self.accepted_steps, "finished_at": time.time()}
         return RowOutput(self.tokens, "stop" if stopped else "length", stats, self.text_end,
-                         self.logprobs if self.top_logprobs is not None else None)
+                         self.logprobs if self.top_logprobs is not None else None, trace)
 
 
 def left_pad(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
