@@ -22,8 +22,8 @@ from batchspec.bench_files import best_configs, write_results
 from batchspec.buckets import make_encoder
 from batchspec.decoding import DecodeConfig, RowOptions, decode_batch
 from batchspec.decoding.engine import left_pad
-from batchspec.decoding.kv_cache import BatchKV
 from batchspec.decoding.policy import GammaPolicy
+from batchspec.decoding.seq2seq import decoder_prefix, model_cache, right_pad
 from batchspec.defaults import default_draft, default_target
 from batchspec.errors import UsageError
 from batchspec.fidelity import mean_jsd, mismatches
@@ -125,11 +125,14 @@ class ForwardCosts:
 
 @torch.inference_mode()
 def forward_costs(pair, prompts: list[list[int]], gamma_max: int, repeats: int = 5) -> ForwardCosts:
-    """Time bare forwards with `prompts` (one batch) in the caches."""
-    ids, mask = left_pad(prompts, pair.target.device)
+    """Time bare forwards with `prompts` (one batch) in the caches (an encoder–decoder pair's:
+    encoded, its decoder prefix in the caches)."""
+    device, seq2seq = pair.target.device, pair.target.config.is_encoder_decoder
+    source = right_pad(prompts, device) if seq2seq else None
+    ids, mask = left_pad([decoder_prefix(pair.target)] * len(prompts) if seq2seq else prompts, device)
 
     def median_forward(model, width: int) -> float:
-        kv = BatchKV(model, len(prompts), ids.device)
+        kv = model_cache(model, len(prompts), device, source)
         kv.forward(ids, mask, logits_to_keep=1)
         new = ids[:, -1:].expand(-1, width)
         seconds = []
@@ -159,7 +162,8 @@ def hf_generate(pair, prompts: list[list[int]], config: DecodeConfig, method: st
     """transformers' greedy generate (ASSISTED: with the draft as assistant model; LOOKUP: prompt
     lookup with the n-gram sizes of `config`; both one row only); completions cut after the first
     EOS id, as ours are."""
-    ids, mask = left_pad(prompts, pair.target.device)
+    seq2seq = pair.target.config.is_encoder_decoder  # generate reads its source right-padded
+    ids, mask = (right_pad if seq2seq else left_pad)(prompts, pair.target.device)
     eos = list(pair.eos_token_ids)
     max_new_tokens = config.max_new_tokens
     extra = {ASSISTED: {"assistant_model": pair.draft},
@@ -167,7 +171,7 @@ def hf_generate(pair, prompts: list[list[int]], config: DecodeConfig, method: st
                       "max_matching_ngram_size": config.ngram[1] if config.ngram else None}}.get(method, {})
     out = pair.target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
                                eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0, **extra)
-    completions = out[:, ids.shape[1] :].tolist()
+    completions = out[:, len(decoder_prefix(pair.target)) if seq2seq else ids.shape[1] :].tolist()
     return [row[: next((i + 1 for i, t in enumerate(row) if t in eos), len(row))] for row in completions]
 
 
@@ -420,7 +424,8 @@ def bench(*, target: str | None, draft: str | None, prompts: str, rows: int | No
     gammas = gammas if "model" in drafters else []
     pair = load_pair(target, draft if {"model", "hybrid"} & set(drafters) else None, dtype=dtype, device=device)
     token_ids = load_prompts(prompts, pair.tokenizer, rows or max(batch_sizes))
-    base = DecodeConfig(max_new_tokens=max_new_tokens, eos_token_ids=pair.eos_token_ids, gamma_max=gamma_max)
+    base = DecodeConfig(max_new_tokens=max_new_tokens, eos_token_ids=pair.eos_token_ids, gamma_max=gamma_max,
+                        **pair.forced_tokens)
     cells = [cell for size in batch_sizes
              for cell in bench_size(pair, token_ids, size, drafters, gammas, base, (ngram_min, ngram_max), repeats,
                                     with_options, samples)]

@@ -6,13 +6,13 @@ distributions."""
 import torch
 
 from batchspec.decoding.drafters.model import fit_width
+from batchspec.decoding.seq2seq import continuation_logits
 
 
 @torch.inference_mode()
 def margin_at(target, prompt: list[int], prefix: list[int]) -> float:
     """The target's best minus second-best logit for the token after prompt + prefix."""
-    ids = torch.tensor([prompt + prefix], device=target.device)
-    top = target(ids).logits[0, -1].float().topk(2).values  # [2]
+    top = continuation_logits(target, prompt, prefix)[-1].float().topk(2).values  # [2]
     return (top[0] - top[1]).item()
 
 
@@ -45,13 +45,9 @@ def mean_jsd(target, draft, prompts: list[list[int]], completions: list[list[int
     for prompt, completion in zip(prompts, completions):
         if not completion:
             continue
-        ids = torch.tensor([prompt + completion[:-1]], device=target.device)  # [1, T]
-        start = len(prompt) - 1  # the position that predicts the completion's first token
-        p_logits = target(ids).logits[0, start:].float()  # [C, V]
-        draft_ids = ids.clamp(max=draft.get_input_embeddings().num_embeddings - 1)  # as the engine feeds a
-        # draft covering part of the target's vocabulary (BatchKV.forward)
-        q_logits = fit_width(draft(draft_ids.to(draft.device)).logits[0, start:].float().to(p_logits.device),
-                             p_logits.shape[-1])
+        p_logits = continuation_logits(target, prompt, completion[:-1]).float()  # [C, V]
+        q_logits = fit_width(continuation_logits(draft, prompt, completion[:-1]).float().to(p_logits.device),
+                             p_logits.shape[-1])  # ids past a draft's embeddings go in as BatchKV feeds them
         total += jensen_shannon(p_logits.softmax(-1), q_logits.softmax(-1)).sum().item()
         positions += len(completion)
     return total / positions if positions else None

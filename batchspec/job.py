@@ -20,7 +20,7 @@ from batchspec.decoding.engine import BatchDecoder, split
 from batchspec.decoding.policy import GammaPolicy
 from batchspec.defaults import default_draft, default_target
 from batchspec.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_ROW_ERRORS, StopSignals, UsageError, say
-from batchspec.models import context_length, load_config, load_pair, load_tokenizer
+from batchspec.models import context_length, load_config, load_pair, load_tokenizer, unapplied_settings
 from batchspec.records import RecordMaker
 from batchspec.request_body import SAMPLES, SAMPLING_KEYS
 from batchspec.sink import OutputPaths, Sink, check_fingerprint, locked, write_atomic
@@ -144,12 +144,16 @@ def run_locked(cfg: RunConfig, paths: OutputPaths, sink: Sink, stop: StopSignals
     if sink.resumed_rows or sink.resumed_errors:
         say(f"resuming {paths.out}: {sink.resumed_rows} rows and {sink.resumed_errors} errors already written")
     pair = load_pair(cfg.target, cfg.draft_model, dtype=cfg.dtype, device=cfg.device)
+    unapplied = unapplied_settings(pair.target)
+    if unapplied:
+        say(f"warning: the target's generation config sets {', '.join(unapplied)}, which batchspec does not apply "
+            "(it decodes greedily or samples): outputs are generate()'s without them")
     make_record = record_maker(cfg, pair.tokenizer)
     sampling = resolve_sampling(pair.target.generation_config, temperature=cfg.temperature, top_k=cfg.top_k,
                                 top_p=cfg.top_p, min_p=cfg.min_p)
     config = DecodeConfig(max_new_tokens=cfg.max_new_tokens, eos_token_ids=pair.eos_token_ids, sampling=sampling,
                           gamma=None if cfg.gamma == "auto" else cfg.gamma, gamma_max=cfg.gamma_max, seed=cfg.seed,
-                          ngram=cfg.ngram_sizes)
+                          ngram=cfg.ngram_sizes, **pair.forced_tokens)
     policy = config.policy()
     run_options = run_row_options(cfg, len(pair.tokenizer), pair.target.generation_config)
     encode = encoder(cfg, pair.tokenizer, pair.context_length)

@@ -11,14 +11,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+)
 from transformers.utils import logging as hf_logging
 
+from batchspec.decoding.seq2seq import SEQ2SEQ_FAMILIES, decoder_prefix
 from batchspec.errors import UsageError, first_line
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-CAUSAL_LMS = frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())  # the classes AutoModelForCausalLM builds
+# the classes AutoModelForCausalLM and AutoModelForSeq2SeqLM build
+LANGUAGE_MODELS = frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()) | frozenset(
+    MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.values())
 
 
 class ModelError(UsageError):
@@ -99,11 +104,12 @@ def load_tokenizer(spec: str):
 
 
 def load_model(spec: str, dtype: torch.dtype, device: torch.device):
-    config = load_config(spec)  # refuses what is not a causal LM before any weight is read
+    config = load_config(spec)  # refuses what batchspec cannot decode before any weight is read
     hf_logging.disable_progress_bar()  # the job shows its own progress
+    auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
     try:
         # None: SDPA, or eager attention for the few architectures without an SDPA version
-        model = AutoModelForCausalLM.from_pretrained(source(spec), config=config, dtype=dtype, attn_implementation=None)
+        model = auto.from_pretrained(source(spec), config=config, dtype=dtype, attn_implementation=None)
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot load model {spec!r}: {first_line(e)}") from e
     check_layers(model, spec)
@@ -111,19 +117,19 @@ def load_model(spec: str, dtype: torch.dtype, device: torch.device):
 
 
 def check_kind(config, spec: str) -> None:
-    """Refuse a checkpoint that is not a decoder-only causal LM: AutoModelForCausalLM would load
-    a BART as its decoder alone, or give a classifier or a masked LM a fresh random LM head, and
-    the run would write fluent nonsense with exit 0."""
-    if getattr(config, "is_encoder_decoder", False):
+    """Refuse a checkpoint batchspec cannot decode exactly: an encoder–decoder family whose
+    decoder positions it does not set per row, or weights without a language-model head (a
+    classifier, a masked LM), which AutoModelForCausalLM would give a fresh random one."""
+    if config.is_encoder_decoder and config.model_type not in SEQ2SEQ_FAMILIES:
         raise ModelError(
-            f"{spec!r} is an encoder-decoder model ({config.model_type}); batchspec decodes decoder-only causal "
-            "language models, encoder-decoder (seq2seq) models such as T5, BART or Marian are not supported yet"
+            f"{spec!r} is an encoder-decoder model ({config.model_type}); batchspec decodes causal language models "
+            f"and the encoder-decoder families {', '.join(SEQ2SEQ_FAMILIES)}"
         )
     listed = getattr(config, "architectures", None) or []
-    if listed and not CAUSAL_LMS & set(listed):
+    if listed and not LANGUAGE_MODELS & set(listed):
         raise ModelError(
-            f"{spec!r} is a {listed[0]}, not a causal language model (a ...ForCausalLM); its weights hold no "
-            "next-token head for batchspec to decode with"
+            f"{spec!r} is a {listed[0]}, not a language model (a ...ForCausalLM or ...ForConditionalGeneration); "
+            "its weights hold no next-token head for batchspec to decode with"
         )
 
 
@@ -141,6 +147,20 @@ def check_layers(model, spec: str) -> None:
             f"{spec!r} has {', '.join(sorted(other))} layers; batchspec supports full and "
             "sliding-window attention layers only"
         )
+
+
+UNAPPLIED = {  # generation config settings batchspec does not apply, and their neutral values
+    "num_beams": 1, "no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0, "min_length": 0,
+    "bad_words_ids": None, "sequence_bias": None, "suppress_tokens": None, "begin_suppress_tokens": None,
+}
+
+
+def unapplied_settings(model) -> list[str]:
+    """The settings of the model's generation config that generate() would apply and batchspec
+    does not (it decodes greedily or samples, one sequence per sample), as name=value."""
+    config = model.generation_config
+    return [f"{name}={getattr(config, name)}" for name, neutral in UNAPPLIED.items()
+            if getattr(config, name, neutral) not in (neutral, None)]
 
 
 def check_same_tokenizer(target_tokenizer, draft_tokenizer) -> None:
@@ -191,6 +211,12 @@ class ModelPair:
         return eos_token_ids(self.target, self.tokenizer)
 
     @property
+    def forced_tokens(self) -> dict[str, int | None]:
+        """The tokens the target's generation config forces first and last (DecodeConfig's fields)."""
+        config = self.target.generation_config
+        return {name: getattr(config, name, None) for name in ("forced_bos_token_id", "forced_eos_token_id")}
+
+    @property
     def context_length(self) -> int | None:
         """The longest sequence both models can take (a draft may have the shorter context)."""
         lengths = [context_length(m.config) for m in (self.target, self.draft) if m is not None]
@@ -206,4 +232,20 @@ def load_pair(target: str, draft: str | None = None, *, dtype: str = "auto", dev
         check_same_tokenizer(tokenizer, load_tokenizer(draft))
     target_model = load_model(target, torch_dtype, torch_device)
     draft_model = load_model(draft, torch_dtype, torch_device) if draft is not None else None
+    check_seq2seq(target_model, draft_model, target)
     return ModelPair(target_model, draft_model, tokenizer)
+
+
+def check_seq2seq(target, draft, spec: str) -> None:
+    """An encoder–decoder target needs a decoder start token and a draft of its own kind, which
+    starts its decoder alike."""
+    if draft is not None and draft.config.is_encoder_decoder != target.config.is_encoder_decoder:
+        kinds = ["an encoder-decoder" if m.config.is_encoder_decoder else "a decoder-only" for m in (target, draft)]
+        raise ModelError(f"the target is {kinds[0]} model and the draft {kinds[1]} one; use a draft of the same kind")
+    if not target.config.is_encoder_decoder:
+        return
+    prefix = decoder_prefix(target)
+    if prefix[0] is None:
+        raise ModelError(f"{spec!r} names no decoder_start_token_id (nor bos_token_id) in its generation config")
+    if draft is not None and decoder_prefix(draft) != prefix:
+        raise ModelError(f"the draft starts its decoder with {decoder_prefix(draft)}, the target with {prefix}")

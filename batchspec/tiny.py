@@ -13,10 +13,13 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForSeq2SeqLM,
+    BartConfig,
     GPT2Config,
     LlamaConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    T5Config,
 )
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -92,6 +95,16 @@ def build_config(family: str, tokenizer, size: int = 64, layers: int = 2, window
         return Qwen2Config(**decoder)
     if family == "gpt2":
         return GPT2Config(n_embd=size, n_layer=layers, n_head=4, n_positions=1024, **common)
+    if family == "t5":  # encoder–decoder, relative positions; initializer_factor 3: varied greedy text
+        return T5Config(d_model=size, d_kv=size // 4, d_ff=2 * size, num_layers=layers, num_heads=4,
+                        decoder_start_token_id=tokenizer.pad_token_id, pad_token_id=tokenizer.pad_token_id,
+                        initializer_factor=3.0, tie_word_embeddings=False, dropout_rate=0.0, **common)
+    if family == "bart":  # encoder–decoder, learned positions; forces EOS at the limit, as BART does
+        return BartConfig(d_model=size, encoder_layers=layers, decoder_layers=layers, encoder_attention_heads=4,
+                          decoder_attention_heads=4, encoder_ffn_dim=2 * size, decoder_ffn_dim=2 * size,
+                          max_position_embeddings=1024, init_std=0.2, dropout=0.0, attention_dropout=0.0,
+                          pad_token_id=tokenizer.pad_token_id, decoder_start_token_id=tokenizer.eos_token_id,
+                          forced_eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False, **common)
     config = AutoConfig.for_model(family, pad_token_id=tokenizer.pad_token_id, **decoder)
     for name, value in {**ANY_FAMILY, "head_dim": size // 4, "sliding_window": window}.items():
         if name in vars(config):
@@ -101,7 +114,7 @@ def build_config(family: str, tokenizer, size: int = 64, layers: int = 2, window
 
 def perturbed(model, noise: float, seed: int):
     """A copy of `model` with gaussian noise of `noise` times each tensor's std added to it."""
-    copy = AutoModelForCausalLM.from_config(model.config)
+    copy = type(model)(model.config)
     generator = torch.Generator().manual_seed(seed)
     state = {}
     for name, tensor in model.state_dict().items():
@@ -118,7 +131,8 @@ def build_pair(
     """Write a tiny target and its noisy draft (same tokenizer) under `folder`; return both paths."""
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
-    target = AutoModelForCausalLM.from_config(build_config(family, tokenizer, size, layers, window))
+    config = build_config(family, tokenizer, size, layers, window)
+    target = (AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM).from_config(config)
     draft = perturbed(target, noise, seed + 1)
     eos = tokenizer.eos_token_id if eos_token_ids is None else list(eos_token_ids)
     paths = []

@@ -5,8 +5,8 @@ import time
 import pytest
 import torch
 from transformers import (
-    AutoModelForCausalLM, BartConfig, BartForConditionalGeneration, BertConfig, BertForMaskedLM, LlamaConfig,
-    LlamaForSequenceClassification, MambaConfig, PreTrainedTokenizerFast, T5Config, T5ForConditionalGeneration,
+    AutoModelForCausalLM, BertConfig, BertForMaskedLM, LlamaConfig, LlamaForSequenceClassification, M2M100Config,
+    M2M100ForConditionalGeneration, MambaConfig, PreTrainedTokenizerFast,
 )
 
 from batchspec.defaults import default_target
@@ -43,10 +43,8 @@ def test_recurrent_model_is_refused(tmp_path):
         load_pair(str(tmp_path / "mamba"), dtype="float32", device="cpu")
 
 
-NOT_CAUSAL = {  # checkpoints AutoModelForCausalLM would refuse unclearly or load as something they are not
-    "t5": lambda v: T5ForConditionalGeneration(T5Config(vocab_size=v, d_model=32, d_kv=8, d_ff=64, num_layers=1,
-                                                        num_heads=4, decoder_start_token_id=0)),
-    "bart": lambda v: BartForConditionalGeneration(BartConfig(  # would load as BartForCausalLM: its decoder alone
+NOT_DECODABLE = {  # checkpoints batchspec cannot decode exactly, or that are no language model
+    "m2m100": lambda v: M2M100ForConditionalGeneration(M2M100Config(  # NLLB's family: positions not set per row
         vocab_size=v, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
         decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64)),
     "bert": lambda v: BertForMaskedLM(BertConfig(vocab_size=v, hidden_size=32, num_hidden_layers=1,
@@ -58,41 +56,41 @@ NOT_CAUSAL = {  # checkpoints AutoModelForCausalLM would refuse unclearly or loa
 
 
 @pytest.fixture(scope="module")
-def not_causal(tmp_path_factory):
-    """name -> folder of a tiny checkpoint that is not a decoder-only causal LM, with a tokenizer."""
-    root, tokenizer = tmp_path_factory.mktemp("not-causal"), build_tokenizer()
-    for name, build in NOT_CAUSAL.items():
+def not_decodable(tmp_path_factory):
+    """name -> folder of a tiny checkpoint batchspec refuses, with a tokenizer."""
+    root, tokenizer = tmp_path_factory.mktemp("not-decodable"), build_tokenizer()
+    for name, build in NOT_DECODABLE.items():
         build(len(tokenizer)).save_pretrained(root / name)
         tokenizer.save_pretrained(root / name)
     return root
 
 
 @pytest.mark.parametrize("name, message", [
-    ("t5", r"'.+/t5' is an encoder-decoder model \(t5\)"),
-    ("bart", r"'.+/bart' is an encoder-decoder model \(bart\)"),
-    ("bert", r"'.+/bert' is a BertForMaskedLM, not a causal language model"),
-    ("classifier", r"'.+/classifier' is a LlamaForSequenceClassification, not a causal language model"),
+    ("m2m100", r"'.+/m2m100' is an encoder-decoder model \(m2m_100\); batchspec decodes causal language models "
+               r"and the encoder-decoder families t5, mt5, umt5, bart, mbart, marian, pegasus"),
+    ("bert", r"'.+/bert' is a BertForMaskedLM, not a language model"),
+    ("classifier", r"'.+/classifier' is a LlamaForSequenceClassification, not a language model"),
 ])
-def test_models_that_are_not_causal_lms_are_refused(not_causal, name, message):
+def test_models_batchspec_cannot_decode_are_refused(not_decodable, name, message):
     """Refused before any weight is read, as target and as draft, and by the dry run's config check."""
     with pytest.raises(ModelError, match=message):
-        load_pair(str(not_causal / name), dtype="float32", device="cpu")
+        load_pair(str(not_decodable / name), dtype="float32", device="cpu")
     with pytest.raises(ModelError, match=message):
-        load_config(str(not_causal / name))
+        load_config(str(not_decodable / name))
 
 
-def test_a_seq2seq_target_stops_the_run_before_it_starts(not_causal, tiny_pair, tmp_path):
+def test_a_refused_target_stops_the_run_before_it_starts(not_decodable, tiny_pair, tmp_path):
     """Exit 2, one line, no record written, as target and as draft; the output then takes a run
     with other models (a run that wrote nothing leaves no fingerprint to resume)."""
     source = tmp_path / "in.jsonl"
     source.write_text('{"id": "a", "prompt": "the cat"}\n')
     target, _ = tiny_pair("llama")
-    bart = str(not_causal / "bart")
-    for models in (["--target", bart, "--mode", "ar"], ["--target", str(target), "--draft", bart]):
+    m2m100 = str(not_decodable / "m2m100")
+    for models in (["--target", m2m100, "--mode", "ar"], ["--target", str(target), "--draft", m2m100]):
         for extra in ([], ["--dry-run"]):
             result = run_here(str(source), "--out", str(tmp_path / "out.jsonl"), *models, *extra, "--no-progress")
             assert result.exit_code == 2, result.output
-            assert "is an encoder-decoder model (bart)" in result.output and "Traceback" not in result.output
+            assert "is an encoder-decoder model (m2m_100)" in result.output and "Traceback" not in result.output
             assert not (tmp_path / "out.jsonl").exists() or not (tmp_path / "out.jsonl").read_bytes()
     result = run_here(str(source), "--out", str(tmp_path / "out.jsonl"), "--target", str(target), "--mode", "ar",
                       "--max-new-tokens", "2", "--no-progress")

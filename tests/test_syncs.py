@@ -46,8 +46,12 @@ class OpReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral"])
-@pytest.mark.parametrize("mode", ["auto", "switching", "ar", "ngram", "hybrid", "options"])
+MODES = ["auto", "switching", "ar", "ngram", "hybrid", "options"]
+CASES = [(family, mode) for family in ("llama", "mistral") for mode in MODES] + [
+    ("bart", mode) for mode in ("switching", "hybrid", "options")]  # an encoder–decoder, forced EOS
+
+
+@pytest.mark.parametrize("family, mode", CASES)
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_every_step_reads_the_device_once(tiny_pair, family, mode, temperature):
     target, draft = tiny_pair(family, **({"window": 12} if family == "mistral" else {}))

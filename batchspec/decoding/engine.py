@@ -36,6 +36,7 @@ from batchspec.decoding.options import RowOptions
 from batchspec.decoding.policy import ROW_DECAY, GammaPolicy, expected_tokens, row_alpha
 from batchspec.decoding.processors import Processors
 from batchspec.decoding.sampling import SamplingParams, accept_greedy, accept_sampled, probabilities
+from batchspec.decoding.seq2seq import decoder_prefix, model_cache, right_pad
 from batchspec.decoding.stopping import StopStrings
 
 DRAFT, ACCEPT, NEXT = 0, 1, 2  # uniform streams: draft draws, accept tests, correction/bonus draws
@@ -52,6 +53,8 @@ class DecodeConfig:
     seed: int = 0
     compact_at: float = 0.3  # compact the caches when this fraction of slots are pads or holes
     share_prefill: bool = True  # prefill a prompt that several rows hold once (off: bench's baseline for n)
+    forced_bos_token_id: int | None = None  # the first token of every row (the generation config's)
+    forced_eos_token_id: int | None = None  # the last token of a row that reaches its limit
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -222,19 +225,22 @@ def start_rows(row_ids, limits: list[int], seeds: list[int], stop_ids: list[list
     )
 
 
-def prefill(target, ids: torch.Tensor, mask: torch.Tensor, prompts: list[list[int]], share: bool = True) -> BatchKV:
-    """The target's cache holding every prompt but its last token (ids, mask: [B, P]). share: a
+def prefill(target, ids: torch.Tensor, mask: torch.Tensor, prompts: list[list[int]], share: bool = True,
+            source: tuple[torch.Tensor, torch.Tensor] | None = None) -> BatchKV:
+    """The target's cache holding every decoder prompt but its last token (ids, mask: [B, P]).
+    An encoder–decoder target first encodes `source` (the prompts, right-padded). share: a
     prompt that several rows hold (n samples of one request) is prefilled once, its cache copied."""
     first: dict[tuple | int, int] = {}
-    source = [first.setdefault(tuple(prompt) if share else b, b) for b, prompt in enumerate(prompts)]  # [B]
+    origin = [first.setdefault(tuple(prompt) if share else b, b) for b, prompt in enumerate(prompts)]  # [B]
     distinct = list(first.values())  # [U]
-    if ids.shape[1] == 1:  # nothing to prefill
+    if ids.shape[1] == 1 and source is None:  # nothing to prefill
         return BatchKV(target, len(prompts), ids.device)
-    kv = BatchKV(target, len(distinct), ids.device)
-    kv.forward(ids[distinct, :-1], mask[distinct, :-1], logits_to_keep=1)
+    kv = model_cache(target, len(distinct), ids.device, source and (source[0][distinct], source[1][distinct]))
+    if ids.shape[1] > 1:
+        kv.forward(ids[distinct, :-1], mask[distinct, :-1], logits_to_keep=1)
     if len(distinct) < len(prompts):
         at = {b: k for k, b in enumerate(distinct)}
-        kv.select(torch.tensor([at[b] for b in source], device=ids.device))
+        kv.select(torch.tensor([at[b] for b in origin], device=ids.device))
     return kv
 
 
@@ -288,6 +294,19 @@ def emit(rows: Rows, draft_tokens, n, next_token):
     return new, count, stopped | (rows.produced >= rows.limit), stopped
 
 
+def forced_tokens(config: DecodeConfig, limits: list[int], gamma_max: int, device) -> torch.Tensor | None:
+    """[B, W]: the token forced at each output index, -1 where none (None: no row has any). The
+    forced EOS wins where both fall on one index, as in generate."""
+    if config.forced_bos_token_id is None and config.forced_eos_token_id is None:
+        return None
+    forced = torch.full((len(limits), max(limits) + gamma_max + 1), -1, dtype=torch.long)
+    if config.forced_bos_token_id is not None:
+        forced[:, 0] = config.forced_bos_token_id
+    if config.forced_eos_token_id is not None:
+        forced[torch.arange(len(limits)), torch.tensor(limits) - 1] = config.forced_eos_token_id
+    return forced.to(device)
+
+
 def split(values: list, sizes: list[int]) -> list[list]:
     """values cut into consecutive pieces of the given sizes."""
     starts = [0]
@@ -322,22 +341,26 @@ class BatchDecoder:
         self.config, self.prompts = config, prompts
         self.policy = policy or config.policy()
         device = target.device
-        ids, mask = left_pad(prompts, device)  # [B, P]
-        self.target_kv = prefill(target, ids, mask, prompts, config.share_prefill)
+        # an encoder–decoder target encodes the prompts; its decoder starts from its own prefix
+        source = right_pad(prompts, device) if target.config.is_encoder_decoder else None
+        decoder_prompts = prompts if source is None else [decoder_prefix(target)] * len(prompts)
+        ids, mask = left_pad(decoder_prompts, device)  # [B, P]
+        self.target_kv = prefill(target, ids, mask, prompts, config.share_prefill, source)
         vocab = target.get_output_embeddings().weight.shape[0]
-        self.drafter = make_drafter(draft, config.ngram, prompts, ids, mask, vocab)
+        self.drafter = make_drafter(draft, config.ngram, prompts, ids, mask, vocab, source)
         gamma_max = self.policy.gamma_max if self.drafter else 0
         limits = [o.max_new_tokens or config.max_new_tokens for o in options]
         seeds = [config.seed if o.seed is None else o.seed for o in options]
         stop_ids = [o.ending_ids(config.eos_token_ids) for o in options]
         self.rows = start_rows(row_ids, limits, seeds, stop_ids, config, gamma_max, device)
         self.rows.last = ids[:, -1]  # the last prompt token is fed by the first step, like any newest token
-        self.processors = Processors(options, prompts, self.rows.stop_ids, vocab, device)
+        self.processors = Processors(options, decoder_prompts, self.rows.stop_ids, vocab, device,
+                                     forced_tokens(config, limits, gamma_max, device))
         self.top_logprobs = max((o.logprobs for o in options if o.logprobs is not None), default=None)
         self.tallies = [Tally(b, gamma_max, StopStrings(o.stop, tokenizer, o.include_stop_str) if o.stop else None,
                               o.logprobs) for b, o in enumerate(options)]  # the live rows, in batch order
-        for tally, prompt in zip(self.tallies, prompts):
-            tally.target_forwards = int(len(prompt) > 1)  # a 1-token prompt has nothing to prefill
+        for tally, prompt in zip(self.tallies, decoder_prompts):  # the prefill (or the encoding) is a forward
+            tally.target_forwards = int(len(prompt) > 1 or source is not None)  # a 1-token prompt needs none
         self.expected: list[float] | None = None  # tokens the live rows should yield per gamma (auto)
         self.results: list[RowOutput | None] = [None] * len(prompts)
         self.totals = {"slots": 0, "empty_slots": 0, "verify_steps": 0, "compactions": 0}

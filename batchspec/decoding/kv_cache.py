@@ -43,8 +43,12 @@ class BatchKV:
         """
         self.mask = torch.cat([self.mask, input_mask], dim=1)  # [B, L+S]
         position_ids = (self.mask.cumsum(-1) - 1).clamp_(min=0)[:, -input_ids.shape[1] :]  # [B, S]
+        return self.run(input_ids.clamp(max=self.last_id), position_ids, logits_to_keep)
+
+    def run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
+        """The model's forward over the last S slots of the mask (ids, positions: [B, S])."""
         out = self.model(
-            input_ids=input_ids.clamp(max=self.last_id),
+            input_ids=input_ids,
             attention_mask=self.mask if self.alibi else self.attention_masks(input_ids.shape[1]),
             position_ids=position_ids,
             past_key_values=self.cache,
@@ -69,12 +73,16 @@ class BatchKV:
             position = self.mask.cumsum(-1)  # [B, L]
             near = position[:, None, :] > (position[:, -S:] - self.window)[:, :, None]  # [B, S, L]
             masks["sliding_attention"] = seen & near | own
-        if self.model.config._attn_implementation == "eager":
-            low = torch.finfo(self.model.dtype).min
-            masks = {k: torch.zeros(m.shape, dtype=self.model.dtype, device=m.device).masked_fill_(~m, low)
-                     for k, m in masks.items()}
-        masks = {k: m[:, None] for k, m in masks.items()}
+        masks = {k: self.additive(m[:, None]) for k, m in masks.items()}
         return masks if len(masks) > 1 else next(iter(masks.values()))
+
+    def additive(self, mask: torch.Tensor) -> torch.Tensor:
+        """A boolean mask (True = attend) as the model's attention takes it: as is, or as additive
+        floats for eager attention, which adds its mask to the scores."""
+        if self.model.config._attn_implementation != "eager":
+            return mask
+        return torch.zeros(mask.shape, dtype=self.model.dtype, device=mask.device).masked_fill_(
+            ~mask, torch.finfo(self.model.dtype).min)
 
     def rollback(self, keep: torch.Tensor, appended: int, max_keep: int) -> None:
         """Of the last `appended` slots, row b keeps its first keep[b] ([B]); max_keep = keep.max().
@@ -87,9 +95,15 @@ class BatchKV:
             slot = torch.arange(max_keep, device=keep.device)  # [K]
             self.mask[:, -max_keep:] *= (slot[None, :] < keep[:, None]).long()
 
+    @property
+    def layers(self):
+        """The cache layers whose slots the mask describes."""
+        return self.cache.layers
+
     def select(self, rows: torch.Tensor) -> None:
         """Keep only `rows` ([B'] indices) in the cache and the mask: finished rows leave."""
-        self.cache.batch_select_indices(rows)
+        if self.length:  # else nothing is cached yet
+            self.cache.batch_select_indices(rows)
         self.mask = self.mask[rows]
 
     def compact(self, new_length: int | None = None) -> None:
@@ -106,7 +120,7 @@ class BatchKV:
         new_length = int(valid.sum(-1).max()) if new_length is None else new_length
         order = torch.sort(valid.int(), dim=-1, stable=True).indices[:, self.length - new_length :]  # [B, L']
         self.mask = self.mask.gather(1, order)
-        for layer in self.cache.layers:
+        for layer in self.layers:
             index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
             layer.keys = layer.keys.gather(2, index)
             layer.values = layer.values.gather(2, index)

@@ -1,5 +1,7 @@
 """Logits processing that depends on a row's context: logit bias, repetition, frequency and
-presence penalties, min_tokens. Applied alike to the target's logits (p) and the draft's (q).
+presence penalties, min_tokens, and the tokens a generation config forces at an output index
+(forced BOS first, forced EOS last, as BART's and mBART's do). Applied alike to the target's
+logits (p) and the draft's (q).
 
 The target scores G+1 positions of a step at once; position i must be processed as if the
 proposals before it, d_1..d_i, had been emitted. So each row's counts of its output tokens [B, V]
@@ -7,10 +9,10 @@ proposals before it, d_1..d_i, had been emitted. So each row's counts of its out
 device, and each position adds the cumulative one-hot of the proposals before it: no loop over
 positions, no host sync.
 
-Order as transformers' generate applies them (logit bias, repetition penalty, min_new_tokens),
-with OpenAI's frequency/presence penalties after the repetition penalty as vLLM does; in float32,
-like generate's scores. Sampling warpers (temperature, top-k, top-p, min-p) come after, in
-sampling.probabilities.
+Order as transformers' generate applies them (logit bias, repetition penalty, min_new_tokens,
+forced tokens), with OpenAI's frequency/presence penalties after the repetition penalty as vLLM
+does; in float32, like generate's scores. Sampling warpers (temperature, top-k, top-p, min-p)
+come after, in sampling.probabilities.
 """
 
 import torch
@@ -39,8 +41,9 @@ class Processors:
     """The live rows' context-dependent processing; a no-op when no row asks for any."""
 
     def __init__(self, options: list[RowOptions], prompts: list[list[int]], ending: torch.Tensor, vocab: int,
-                 device: torch.device):
-        """ending: [B, K] the ids that end each row (-1: none), masked before min_tokens."""
+                 device: torch.device, forced: torch.Tensor | None = None):
+        """ending: [B, K] the ids that end each row (-1: none), masked before min_tokens; forced:
+        [B, W] the token forced at each output index (-1: none), W past every row's limit."""
         B, self.vocab = len(options), vocab
         column = lambda values: torch.tensor(values, dtype=torch.float32, device=device)  # noqa: E731
         self.repetition = column([o.repetition_penalty for o in options])  # [B]
@@ -52,7 +55,9 @@ class Processors:
             "repetition": any(o.repetition_penalty != 1 for o in options),
             "counts": any(o.frequency_penalty or o.presence_penalty for o in options),
             "min_tokens": any(o.min_tokens for o in options),
+            "forced": forced is not None,
         }
+        self.forced = forced if forced is not None else torch.zeros(B, 0, dtype=torch.long, device=device)
         self.bias = torch.zeros(B, vocab if self.uses["bias"] else 0, device=device)  # [B, V]
         if self.uses["bias"]:
             put(self.bias, [(b, token, value) for b, o in enumerate(options) for token, value in o.logit_bias.items()])
@@ -93,6 +98,11 @@ class Processors:
             at = produced[:, None] + first + torch.arange(J, device=logits.device)  # [B, J] output index
             early = at < self.min_tokens[:, None]  # [B, J]
             scores = scores.masked_fill(early[:, :, None] & self.ending[:, None, :], float("-inf"))
+        if self.uses["forced"]:  # every other token -inf, as transformers' ForcedBOS/EOS processors do
+            at = produced[:, None] + first + torch.arange(J, device=logits.device)  # [B, J] output index
+            token = self.forced.gather(1, at.clamp_(max=self.forced.shape[1] - 1))  # [B, J]
+            other = torch.arange(self.vocab, device=logits.device) != token[:, :, None].clamp(min=0)  # [B, J, V]
+            scores = scores.masked_fill((token >= 0)[:, :, None] & other, float("-inf"))
         return scores
 
     def emitted(self, new: torch.Tensor, count: torch.Tensor) -> None:
@@ -107,5 +117,5 @@ class Processors:
             self.seen |= added > 0
 
     def select(self, keep: torch.Tensor) -> None:
-        for name in ("repetition", "frequency", "presence", "min_tokens", "bias", "counts", "seen", "ending"):
+        for name in ("repetition", "frequency", "presence", "min_tokens", "bias", "counts", "seen", "ending", "forced"):
             setattr(self, name, getattr(self, name)[keep])

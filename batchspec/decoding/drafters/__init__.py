@@ -27,10 +27,11 @@ from batchspec.decoding.drafters.proposal import Proposal
 
 
 def make_drafter(draft, ngram: tuple[int, int] | None, prompts: list[list[int]], ids: torch.Tensor,
-                 mask: torch.Tensor, vocab: int):
+                 mask: torch.Tensor, vocab: int, source: tuple[torch.Tensor, torch.Tensor] | None = None):
     """draft: a draft model or None; ngram: (n_min, n_max) for prompt lookup, or None. ids, mask:
-    [B, P] the left-padded prompts; vocab: the target's logit width. None: no drafter (ar)."""
-    model = ModelDrafter(draft, ids, mask, vocab) if draft is not None else None
+    [B, P] the left-padded (decoder) prompts; vocab: the target's logit width; source: the
+    prompts, right-padded, for an encoder–decoder pair. None: no drafter (ar)."""
+    model = ModelDrafter(draft, ids, mask, vocab, source) if draft is not None else None
     lookup = NgramDrafter(prompts, *ngram, device=ids.device) if ngram else None
     if model and lookup:
         return HybridDrafter(model, lookup)

@@ -12,7 +12,7 @@ batch that never speculates never runs the draft at all.
 import torch
 
 from batchspec.decoding.drafters.proposal import Proposal, on_device
-from batchspec.decoding.kv_cache import BatchKV
+from batchspec.decoding.seq2seq import model_cache
 from batchspec.decoding.sampling import SamplingParams, probabilities, sample
 
 
@@ -25,10 +25,12 @@ def fit_width(logits: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 class ModelDrafter:
-    def __init__(self, model, ids: torch.Tensor, mask: torch.Tensor, vocab: int):
+    def __init__(self, model, ids: torch.Tensor, mask: torch.Tensor, vocab: int,
+                 source: tuple[torch.Tensor, torch.Tensor] | None = None):
         """A draft that owes each prompt but its last token (the newest, fed by the first step).
-        ids, mask: [B, P] left-padded; vocab: the target's logit width."""
-        self.kv = BatchKV(model, ids.shape[0], ids.device)
+        ids, mask: [B, P] left-padded (an encoder–decoder's decoder prompts); vocab: the
+        target's logit width; source: an encoder–decoder draft's prompts, right-padded."""
+        self.kv = model_cache(model, ids.shape[0], ids.device, source)
         self.vocab = vocab
         self.owed, self.owed_mask = ids[:, :-1], mask[:, :-1]  # [B, P-1]
 
