@@ -21,9 +21,9 @@ import torch
 from batchspec.bench_files import best_configs, write_results
 from batchspec.buckets import make_encoder
 from batchspec.decoding import DecodeConfig, RowOptions, decode_batch
-from batchspec.decoding.engine import left_pad
+from batchspec.decoding.kv_cache import padded
 from batchspec.decoding.policy import GammaPolicy
-from batchspec.decoding.seq2seq import decoder_prefix, model_cache, right_pad
+from batchspec.decoding.seq2seq import decoder_prefix, model_cache
 from batchspec.defaults import default_draft, default_target
 from batchspec.errors import UsageError
 from batchspec.fidelity import mean_jsd, mismatches
@@ -128,8 +128,8 @@ def forward_costs(pair, prompts: list[list[int]], gamma_max: int, repeats: int =
     """Time bare forwards with `prompts` (one batch) in the caches (an encoder–decoder pair's:
     encoded, its decoder prefix in the caches)."""
     device, seq2seq = pair.target.device, pair.target.config.is_encoder_decoder
-    source = right_pad(prompts, device) if seq2seq else None
-    ids, mask = left_pad([decoder_prefix(pair.target)] * len(prompts) if seq2seq else prompts, device)
+    source = padded(prompts, device, left=False) if seq2seq else None
+    ids, mask = padded([decoder_prefix(pair.target)] * len(prompts) if seq2seq else prompts, device)
 
     def median_forward(model, width: int) -> float:
         kv = model_cache(model, len(prompts), device, source)
@@ -163,7 +163,7 @@ def hf_generate(pair, prompts: list[list[int]], config: DecodeConfig, method: st
     lookup with the n-gram sizes of `config`; both one row only); completions cut after the first
     EOS id, as ours are."""
     seq2seq = pair.target.config.is_encoder_decoder  # generate reads its source right-padded
-    ids, mask = (right_pad if seq2seq else left_pad)(prompts, pair.target.device)
+    ids, mask = padded(prompts, pair.target.device, left=not seq2seq)
     eos = list(pair.eos_token_ids)
     max_new_tokens = config.max_new_tokens
     extra = {ASSISTED: {"assistant_model": pair.draft},

@@ -20,6 +20,7 @@ from batchspec.decoding.engine import BatchDecoder, split
 from batchspec.decoding.policy import GammaPolicy
 from batchspec.defaults import default_draft, default_target
 from batchspec.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_ROW_ERRORS, StopSignals, UsageError, say
+from batchspec.decoding.kv_cache import SLOT_ALIBI
 from batchspec.models import context_length, load_config, load_pair, load_tokenizer, unapplied_settings
 from batchspec.records import RecordMaker
 from batchspec.request_body import SAMPLES, SAMPLING_KEYS
@@ -144,6 +145,10 @@ def run_locked(cfg: RunConfig, paths: OutputPaths, sink: Sink, stop: StopSignals
     if sink.resumed_rows or sink.resumed_errors:
         say(f"resuming {paths.out}: {sink.resumed_rows} rows and {sink.resumed_errors} errors already written")
     pair = load_pair(cfg.target, cfg.draft_model, dtype=cfg.dtype, device=cfg.device)
+    if cfg.mode == "spec" and pair.target.config.model_type in SLOT_ALIBI:
+        kind = pair.target.config.model_type.upper()
+        raise UsageError(f"{cfg.target!r} is an {kind} model, whose ALiBi counts cache slots: the holes rejected "
+                         "proposals leave would change its output; run it with --mode ar")
     unapplied = unapplied_settings(pair.target)
     if unapplied:
         say(f"warning: the target's generation config sets {', '.join(unapplied)}, which batchspec does not apply "

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM, BertConfig, BertForMaskedLM, LlamaConfig, LlamaForSequenceClassification, M2M100Config,
-    M2M100ForConditionalGeneration, MambaConfig, PreTrainedTokenizerFast,
+    M2M100ForConditionalGeneration, MambaConfig, MptConfig, PreTrainedTokenizerFast,
 )
 
 from batchspec.defaults import default_target
@@ -95,6 +95,20 @@ def test_a_refused_target_stops_the_run_before_it_starts(not_decodable, tiny_pai
     result = run_here(str(source), "--out", str(tmp_path / "out.jsonl"), "--target", str(target), "--mode", "ar",
                       "--max-new-tokens", "2", "--no-progress")
     assert result.exit_code == 0, result.output
+
+
+def test_an_mpt_target_runs_autoregressively_only(tmp_path):
+    """MPT's ALiBi counts cache slots: speculation (with holes) is refused before decoding, ar runs."""
+    tokenizer = build_tokenizer()
+    config = MptConfig(vocab_size=len(tokenizer), d_model=32, n_heads=4, n_layers=1, max_seq_len=128)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "mpt")
+    tokenizer.save_pretrained(tmp_path / "mpt")
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"id": "a", "prompt": "the cat"}\n')
+    common = [str(source), "--target", str(tmp_path / "mpt"), "--max-new-tokens", "3", "--no-progress"]
+    result = run_here(*common, "--out", str(tmp_path / "spec.jsonl"), "--draft", "ngram")
+    assert result.exit_code == 2 and "is an MPT model, whose ALiBi counts cache slots" in result.output
+    assert run_here(*common, "--out", str(tmp_path / "ar.jsonl"), "--mode", "ar").exit_code == 0
 
 
 def test_other_layer_types_are_refused(tiny_pair, tmp_path):

@@ -31,12 +31,12 @@ import torch
 
 from batchspec.decoding.drafters import Proposal, make_drafter
 from batchspec.decoding.drafters.proposal import on_device
-from batchspec.decoding.kv_cache import BatchKV
+from batchspec.decoding.kv_cache import BatchKV, padded
 from batchspec.decoding.options import RowOptions
 from batchspec.decoding.policy import ROW_DECAY, GammaPolicy, expected_tokens, row_alpha
 from batchspec.decoding.processors import Processors
 from batchspec.decoding.sampling import SamplingParams, accept_greedy, accept_sampled, probabilities
-from batchspec.decoding.seq2seq import decoder_prefix, model_cache, right_pad
+from batchspec.decoding.seq2seq import decoder_prefix, model_cache
 from batchspec.decoding.stopping import StopStrings
 
 DRAFT, ACCEPT, NEXT = 0, 1, 2  # uniform streams: draft draws, accept tests, correction/bonus draws
@@ -187,17 +187,6 @@ class Tally:
                          self.logprobs if self.top_logprobs is not None else None, trace)
 
 
-def left_pad(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """prompts -> ids, mask: [B, P], left-padded (pad id 0, never looked at: the mask rules)."""
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for b, prompt in enumerate(prompts):
-        ids[b, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-        mask[b, width - len(prompt) :] = 1
-    return ids.to(device), mask.to(device)
-
-
 def stop_table(stop_ids: list[list[int]]) -> torch.Tensor:
     """[B, K]: the ids that end each row, padded with -1 (never a token)."""
     rows = [list(dict.fromkeys(ids)) for ids in stop_ids]
@@ -316,8 +305,9 @@ def split(values: list, sizes: list[int]) -> list[list]:
 
 
 class BatchDecoder:
-    """Decodes one static batch. target/draft: causal LMs on one device; the draft proposes, or
-    with config.ngram n-gram lookup does (both: hybrid); neither: autoregressive.
+    """Decodes one static batch. target/draft: causal LMs, or encoder–decoder models (which
+    encode the prompts and decode from their decoder prefix), on one device; the draft proposes,
+    or with config.ngram n-gram lookup does (both: hybrid); neither: autoregressive.
 
     prompts: token ids per row, lengths may differ (each >= 1); row_ids: one id per row, which
     seeds its randomness with its seed; options: each row's own RowOptions (limit, seed, stop
@@ -342,9 +332,9 @@ class BatchDecoder:
         self.policy = policy or config.policy()
         device = target.device
         # an encoder–decoder target encodes the prompts; its decoder starts from its own prefix
-        source = right_pad(prompts, device) if target.config.is_encoder_decoder else None
+        source = padded(prompts, device, left=False) if target.config.is_encoder_decoder else None
         decoder_prompts = prompts if source is None else [decoder_prefix(target)] * len(prompts)
-        ids, mask = left_pad(decoder_prompts, device)  # [B, P]
+        ids, mask = padded(decoder_prompts, device)  # [B, P]
         self.target_kv = prefill(target, ids, mask, prompts, config.share_prefill, source)
         vocab = target.get_output_embeddings().weight.shape[0]
         self.drafter = make_drafter(draft, config.ngram, prompts, ids, mask, vocab, source)

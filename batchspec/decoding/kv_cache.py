@@ -16,6 +16,20 @@ import torch
 from transformers import DynamicCache
 
 ALIBI_MODELS = {"bloom", "mpt"}  # model types whose forward reads the 2D mask (as do configs with alibi=True)
+SLOT_ALIBI = {"mpt"}  # ALiBi over cache slots, not positions: rollback holes change the output (ar only)
+
+
+def padded(prompts: list[list[int]], device, left: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """prompts -> ids, mask: [B, P], padded on the left (else the right) with id 0, never looked
+    at: the mask rules."""
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for b, prompt in enumerate(prompts):
+        at = slice(width - len(prompt), width) if left else slice(0, len(prompt))
+        ids[b, at] = torch.tensor(prompt, dtype=torch.long)
+        mask[b, at] = 1
+    return ids.to(device), mask.to(device)
 
 
 class BatchKV:

@@ -98,17 +98,6 @@ def continuation_logits(model, prompt: list[int], tokens: list[int]) -> torch.Te
     return model(ids).logits[0, len(prompt) - 1 :]
 
 
-def right_pad(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """prompts -> ids, mask: [B, P], right-padded (pad id 0, masked out)."""
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for b, prompt in enumerate(prompts):
-        ids[b, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-        mask[b, : len(prompt)] = 1
-    return ids.to(device), mask.to(device)
-
-
 class Seq2SeqKV(BatchKV):
     """An encoder–decoder model's state for a static batch: the encoder's output for each row's
     prompt, and the decoder's cache, masked, rolled back, evicted and compacted as BatchKV's."""
