@@ -17,10 +17,10 @@ from batchspec.chat import run_template_options
 from batchspec.config import RunConfig
 from batchspec.decoding import DecodeConfig, RowOptions, resolve_sampling
 from batchspec.decoding.engine import BatchDecoder, split
+from batchspec.decoding.kv_cache import SLOT_ALIBI
 from batchspec.decoding.policy import GammaPolicy
 from batchspec.defaults import default_draft, default_target
 from batchspec.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_ROW_ERRORS, StopSignals, UsageError, say
-from batchspec.decoding.kv_cache import SLOT_ALIBI
 from batchspec.models import context_length, load_config, load_pair, load_tokenizer, unapplied_settings
 from batchspec.records import RecordMaker
 from batchspec.request_body import SAMPLES, SAMPLING_KEYS

@@ -56,13 +56,19 @@ def write_input(path, rows: int = ROWS, seed: int = 0):
     return path
 
 
+def tiny_run_options(tiny_pair) -> list[str]:
+    """`batchspec run` options for the tiny Llama pair, gamma 3 (--gamma auto chooses by timing,
+    so its per-row statistics differ run to run), 24 new tokens, batches of 8, token ids."""
+    target, draft = tiny_pair("llama")
+    return ["--target", str(target), "--draft", str(draft), "--gamma", "3", "--max-new-tokens", "24",
+            "--batch-size", "8", "--no-progress", "--token-ids"]
+
+
 @pytest.fixture(scope="module")
 def setup(tiny_pair, tmp_path_factory):
     root = tmp_path_factory.mktemp("job")
-    target, draft = tiny_pair("llama")
-    # a fixed gamma: --gamma auto chooses by timing, so its per-row statistics differ run to run
-    models = ["--target", str(target), "--draft", str(draft), "--gamma", "3", "--max-new-tokens", "24",
-              "--batch-size", "8", "--no-progress", "--token-ids"]
+    target, _ = tiny_pair("llama")
+    models = tiny_run_options(tiny_pair)
     source = write_input(root / "in.jsonl")
     reference = root / "reference.jsonl"
     result = run_cli(str(source), "--out", str(reference), *models)

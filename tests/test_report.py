@@ -17,16 +17,14 @@ from batchspec.cli import main
 from batchspec.report import Timeline, digest, token_pieces
 from batchspec.sink import OutputPaths
 from debian import install
-from test_job import lines, run_here, write_input
+from test_job import lines, run_here, tiny_run_options, write_input
 
 
 @pytest.fixture(scope="module")
 def traced(tiny_pair, tmp_path_factory):
     """A spec run (gamma 3) of 12 rows, one of them with n = 2, and the bad lines, with --trace."""
     root = tmp_path_factory.mktemp("report")
-    target, draft = tiny_pair("llama")
-    models = ["--target", str(target), "--draft", str(draft), "--gamma", "3", "--max-new-tokens", "24",
-              "--batch-size", "8", "--no-progress", "--token-ids"]
+    models = tiny_run_options(tiny_pair)
     source = write_input(root / "in.jsonl", rows=12)
     with open(source, "ab") as f:
         request = {"custom_id": "two", "method": "POST", "url": "/v1/completions",

@@ -222,10 +222,8 @@ def prefill(target, ids: torch.Tensor, mask: torch.Tensor, prompts: list[list[in
     first: dict[tuple | int, int] = {}
     origin = [first.setdefault(tuple(prompt) if share else b, b) for b, prompt in enumerate(prompts)]  # [B]
     distinct = list(first.values())  # [U]
-    if ids.shape[1] == 1 and source is None:  # nothing to prefill
-        return BatchKV(target, len(prompts), ids.device)
     kv = model_cache(target, len(distinct), ids.device, source and (source[0][distinct], source[1][distinct]))
-    if ids.shape[1] > 1:
+    if ids.shape[1] > 1:  # else nothing to prefill (a 1-token prompt, a decoder's start token)
         kv.forward(ids[distinct, :-1], mask[distinct, :-1], logits_to_keep=1)
     if len(distinct) < len(prompts):
         at = {b: k for k, b in enumerate(distinct)}

@@ -39,9 +39,12 @@ class BatchKV:
         text_config = model.config.get_text_config(decoder=True)
         self.window = getattr(text_config, "sliding_window", None)  # how far sliding layers look back
         self.layer_types = getattr(text_config, "layer_types", None)  # None: every layer slides
-        self.cache = DynamicCache(config=model.config) if self.window is None else DynamicCache()
+        self.cache = self.new_cache()
         self.alibi = model.config.model_type in ALIBI_MODELS or getattr(model.config, "alibi", False) is True
         self.mask = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # [B, L]
+
+    def new_cache(self):
+        return DynamicCache(config=self.model.config) if self.window is None else DynamicCache()
 
     @property
     def length(self) -> int:
@@ -56,15 +59,16 @@ class BatchKV:
         vocabulary) goes in as its last id: it only makes a draft's proposals worse.
         """
         self.mask = torch.cat([self.mask, input_mask], dim=1)  # [B, L+S]
-        position_ids = (self.mask.cumsum(-1) - 1).clamp_(min=0)[:, -input_ids.shape[1] :]  # [B, S]
-        return self.run(input_ids.clamp(max=self.last_id), position_ids, logits_to_keep)
+        positions = (self.mask.cumsum(-1) - 1).clamp_(min=0)  # [B, L+S]
+        return self.run(input_ids.clamp(max=self.last_id), positions, logits_to_keep)
 
-    def run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
-        """The model's forward over the last S slots of the mask (ids, positions: [B, S])."""
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
+        """The model's forward over the last S slots of the mask (ids [B, S]; positions [B, L]:
+        every slot's)."""
         out = self.model(
             input_ids=input_ids,
             attention_mask=self.mask if self.alibi else self.attention_masks(input_ids.shape[1]),
-            position_ids=position_ids,
+            position_ids=positions[:, -input_ids.shape[1] :],
             past_key_values=self.cache,
             use_cache=True,
             logits_to_keep=logits_to_keep,

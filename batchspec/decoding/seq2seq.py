@@ -106,15 +106,17 @@ class Seq2SeqKV(BatchKV):
         """source: the prompts, right-padded: ids, mask [B, P]."""
         ids, mask = source
         super().__init__(model, ids.shape[0], ids.device)
-        decoder = model.get_decoder().config  # T5's own num_layers is the encoder's depth
-        self.cache = EncoderDecoderCache(DynamicCache(config=decoder), DynamicCache(config=decoder))
         self.positions = row_positions(model)
         self.encoded = model.get_encoder()(input_ids=ids, attention_mask=mask)  # last_hidden_state [B, P, H]
         self.source_mask = mask  # [B, P]
 
-    def run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
+    def new_cache(self):
+        decoder = self.model.get_decoder().config  # T5's own num_layers is the encoder's depth
+        return EncoderDecoderCache(DynamicCache(config=decoder), DynamicCache(config=decoder))
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
         S = input_ids.shape[1]
-        self.positions.positions = (self.mask.cumsum(-1) - 1).clamp_(min=0)  # [B, L]
+        self.positions.positions = positions  # [B, L]: what the model's patch reads
         try:
             out = self.model(
                 encoder_outputs=self.encoded,
