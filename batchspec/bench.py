@@ -15,12 +15,14 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
 from batchspec.bench_files import best_configs, write_results
 from batchspec.buckets import make_encoder
 from batchspec.decoding import DecodeConfig, RowOptions, decode_batch
+from batchspec.decoding.grammar import Grammar, grammar_problem
 from batchspec.decoding.kv_cache import padded
 from batchspec.decoding.policy import GammaPolicy
 from batchspec.decoding.seq2seq import decoder_prefix, model_cache
@@ -34,6 +36,7 @@ HF, ASSISTED, LOOKUP, AR, AUTO = "hf generate", "hf assisted", "hf prompt lookup
 NGRAM, HYBRID = "ngram auto", "hybrid auto"
 DRAFTERS = {"model": AUTO, "ngram": NGRAM, "hybrid": HYBRID}  # --drafters -> the auto method of each
 WITH_OPTIONS = " + options"  # --with-options: ar and spec auto again, every row with OPTIONS
+SCHEMA, NO_JUMP = " + schema", " + schema, no jump"  # --json-schema: ar and spec auto (without jump-forward) again
 # every processor and 5 logprobs, at strengths too small to change a token: the same work on the same outputs
 OPTIONS = RowOptions(repetition_penalty=1 + 1e-6, frequency_penalty=1e-6, presence_penalty=1e-6, min_tokens=1,
                      logit_bias={0: 1e-6}, logprobs=5)
@@ -55,8 +58,9 @@ class Cell:
     mismatches: list[dict] = field(default_factory=list)  # rows unlike its reference's (fidelity.mismatches)
     policy: GammaPolicy | None = None
     ideal: float | None = None  # the speed-up over ar its alpha promises at bare forward costs
-    options: RowOptions | None = None  # every row's (--with-options)
+    options: RowOptions | None = None  # every row's (--with-options, --json-schema)
     samples: int = 1  # rows per prompt, side by side in a batch (--samples)
+    mask_seconds: float = 0.0  # host time its grammar masks took (best pass)
 
     def prompts(self, prompts: list[list[int]]) -> list[list[int]]:
         """The rows it decodes: as many as `prompts`, each prompt `samples` times in a row."""
@@ -192,9 +196,10 @@ def timed(fn):
     return time.perf_counter() - start, result
 
 
-def decode_all(pair, cell: Cell, prompts: list[list[int]]) -> tuple[list, list]:
-    """Completions and row stats of every prompt, decoded by cell.method in batches of its size."""
-    outputs, stats = [], []
+def decode_all(pair, cell: Cell, prompts: list[list[int]]) -> tuple[list, list, float]:
+    """Completions and row stats of every prompt, decoded by cell.method in batches of its size,
+    and the seconds grammar masks took."""
+    outputs, stats, mask_seconds = [], [], 0.0
     for start in range(0, len(prompts), cell.batch_size):
         batch = prompts[start : start + cell.batch_size]
         if cell.method in (HF, ASSISTED, LOOKUP):
@@ -202,18 +207,21 @@ def decode_all(pair, cell: Cell, prompts: list[list[int]]) -> tuple[list, list]:
             continue
         options = [cell.options] * len(batch) if cell.options else None
         result = decode_batch(pair.target, cell.draft, batch, list(range(len(batch))), cell.config, options,
-                              cell.policy)
+                              cell.policy, pair.tokenizer)
         outputs += [r.token_ids for r in result.rows]
         stats += [r.stats for r in result.rows]
-    return outputs, stats
+        mask_seconds += result.stats["mask_seconds"]
+    return outputs, stats, mask_seconds
 
 
 def methods(pair, batch_size: int, drafters: list[str], gammas: list[int], base: DecodeConfig,
-            ngram: tuple[int, int], with_options: bool = False, samples: int = 1) -> list[Cell]:
+            ngram: tuple[int, int], with_options: bool = False, samples: int = 1,
+            schema: RowOptions | None = None) -> list[Cell]:
     """The cells one batch size compares: transformers' (its one-row methods at batch 1 only),
     ar, the draft model at each fixed gamma, each drafter with auto (ngram: n-gram sizes),
     with_options: ar and the model's auto again with OPTIONS on every row, and samples > 1: ar
-    over rows that repeat each prompt `samples` times, prefilled once (n) or each (copies)."""
+    over rows that repeat each prompt `samples` times, prefilled once (n) or each (copies);
+    schema (every row's grammar): ar and the model's auto with it, and auto without jump-forward."""
     lookup = replace(base, ngram=ngram)
     one_row = [ASSISTED] * assistable(pair) + [LOOKUP] * ("ngram" in drafters) if batch_size == 1 else []
     cells = [Cell(batch_size, HF, base)] + [Cell(batch_size, m, lookup) for m in one_row]
@@ -228,6 +236,12 @@ def methods(pair, batch_size: int, drafters: list[str], gammas: list[int], base:
         cells.append(Cell(batch_size, AR + WITH_OPTIONS, base, options=OPTIONS))
         if "model" in drafters:
             cells.append(Cell(batch_size, AUTO + WITH_OPTIONS, base, pair.draft, options=OPTIONS))
+    if schema:
+        cells.append(Cell(batch_size, AR + SCHEMA, base, options=schema))
+        if "model" in drafters:
+            cells.append(Cell(batch_size, AUTO + SCHEMA, base, pair.draft, options=schema))
+            cells.append(Cell(batch_size, AUTO + NO_JUMP, replace(base, jump_forward=False), pair.draft,
+                              options=schema))
     if samples > 1:
         cells.append(Cell(batch_size, copies(samples), replace(base, share_prefill=False), samples=samples))
         cells.append(Cell(batch_size, f"{AR} n={samples}", base, samples=samples))
@@ -242,10 +256,11 @@ def copies(samples: int) -> str:
 
 
 def bench_size(pair, prompts, batch_size: int, drafters: list[str], gammas: list[int], base: DecodeConfig,
-               ngram: tuple[int, int], repeats: int, with_options: bool, samples: int) -> list[Cell]:
+               ngram: tuple[int, int], repeats: int, with_options: bool, samples: int,
+               schema: RowOptions | None = None) -> list[Cell]:
     """Every method at one batch size: a warm-up batch each, then interleaved timed passes
     (counting target forwards and the memory each pass held)."""
-    cells = methods(pair, batch_size, drafters, gammas, base, ngram, with_options, samples)
+    cells = methods(pair, batch_size, drafters, gammas, base, ngram, with_options, samples, schema)
     costs = forward_costs(pair, prompts[:batch_size], max(gammas + [base.gamma_max]))
     for cell in cells:
         decode_all(pair, cell, cell.prompts(prompts)[:batch_size])  # warm-up; auto measures its costs
@@ -261,9 +276,9 @@ def bench_size(pair, prompts, batch_size: int, drafters: list[str], gammas: list
             for cell in cells:
                 forwards = 0
                 with PeakMemory(pair.target.device) as memory:
-                    seconds, (outputs, stats) = timed(lambda c=cell: decode_all(pair, c, c.prompts(prompts)))
+                    seconds, (outputs, stats, masks) = timed(lambda c=cell: decode_all(pair, c, c.prompts(prompts)))
                 if not cell.times or seconds < cell.seconds:
-                    cell.outputs, cell.stats, cell.forwards = outputs, stats, forwards
+                    cell.outputs, cell.stats, cell.forwards, cell.mask_seconds = outputs, stats, forwards, masks
                 cell.times.append(seconds)
                 cell.peak_mib = max((m for m in (cell.peak_mib, memory.mib) if m is not None), default=None)
     finally:
@@ -385,11 +400,30 @@ def verdicts(cells: list[Cell]) -> str:
             line += f", {rate[AUTO] / fixed.rate:.2f}x the best fixed ({fixed.method})"
         line += "".join(f"; {m}{WITH_OPTIONS} {rate[m + WITH_OPTIONS] / rate[m]:.2f}x without"
                         for m in (AR, AUTO) if m + WITH_OPTIONS in rate)
+        if AR + SCHEMA in rate:
+            masked = next(c for c in row_cells if c.method == AR + SCHEMA)
+            line += (f"; {AR}{SCHEMA} {rate[AR + SCHEMA] / rate[AR]:.2f}x ar "
+                     f"(masks {1e6 * masked.mask_seconds / masked.tokens:.0f} us/token)")
+        if AUTO + SCHEMA in rate:
+            line += (f", {AUTO}{SCHEMA} {rate[AUTO + SCHEMA] / rate[AR + SCHEMA]:.2f}x it, "
+                     f"{rate[AUTO + SCHEMA] / rate[AUTO + NO_JUMP]:.2f}x without jump-forward")
         shared = next((c for c in row_cells if c.samples > 1 and c.config.share_prefill), None)
         if shared:
             line += f"; {shared.method} {shared.rate / rate[copies(shared.samples)]:.2f}x {shared.samples} copies"
         lines.append(line)
     return "\n".join(lines)
+
+
+def schema_grammar(path: str, tokenizer) -> Grammar:
+    """--json-schema's grammar, checked against the tokenizer (UsageError when it cannot be)."""
+    try:
+        grammar = Grammar.json_schema(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--json-schema: {e}") from None
+    problem = grammar_problem(grammar, tokenizer)
+    if problem:
+        raise UsageError(f"--json-schema: {problem}")
+    return grammar
 
 
 def fmt(value: float | None) -> str:
@@ -410,10 +444,12 @@ def load_prompts(path: str, tokenizer, count: int | None) -> list[list[int]]:
 def bench(*, target: str | None, draft: str | None, prompts: str, rows: int | None, batch_sizes: list[int],
           drafters: list[str], gammas: list[int], gamma_max: int, ngram_min: int, ngram_max: int,
           max_new_tokens: int, repeats: int, dtype: str, device: str, with_options: bool = False,
-          samples: int = 1, out_dir: str | None = None, write_config: str | None = None) -> str:
+          samples: int = 1, out_dir: str | None = None, write_config: str | None = None,
+          json_schema: str | None = None) -> str:
     """The markdown report of every method at every batch size on a model pair (default: the
     embedded one); out_dir: also results.csv, results.json and plots there; write_config: the
-    fastest setting per batch size as --config files."""
+    fastest setting per batch size as --config files; json_schema: a JSON schema file, every row's
+    output constrained by it in extra cells."""
     models = {"target": target, "draft": draft} if target is not None else {}  # for the config files
     if target is None:
         target, draft = default_target(), draft or default_draft()
@@ -424,11 +460,12 @@ def bench(*, target: str | None, draft: str | None, prompts: str, rows: int | No
     gammas = gammas if "model" in drafters else []
     pair = load_pair(target, draft if {"model", "hybrid"} & set(drafters) else None, dtype=dtype, device=device)
     token_ids = load_prompts(prompts, pair.tokenizer, rows or max(batch_sizes))
+    schema = RowOptions(grammar=schema_grammar(json_schema, pair.tokenizer)) if json_schema else None
     base = DecodeConfig(max_new_tokens=max_new_tokens, eos_token_ids=pair.eos_token_ids, gamma_max=gamma_max,
                         **pair.forced_tokens)
     cells = [cell for size in batch_sizes
              for cell in bench_size(pair, token_ids, size, drafters, gammas, base, (ngram_min, ngram_max), repeats,
-                                    with_options, samples)]
+                                    with_options, samples, schema)]
     for cell in cells:
         cell.mismatches = mismatches(pair.target, cell.prompts(token_ids), cell.outputs, reference(cell, cells).outputs)
     written = []

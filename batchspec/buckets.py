@@ -4,9 +4,11 @@ Knows the tokenizer (through `encode`), nothing of models. Errors pass straight 
 """
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 from batchspec.chat import ChatError, TemplateOptions, render
+from batchspec.decoding import RowOptions
+from batchspec.decoding.grammar import grammar_problem
 from batchspec.request_body import SAMPLES, SAMPLING_KEYS
 from batchspec.sources import Row, RowError
 
@@ -24,6 +26,7 @@ class Batch:
 
 
 Encode = Callable[[list[Row]], list[list[int] | RowError]]
+ROW_OPTIONS = {f.name for f in fields(RowOptions)}
 
 
 def sampling_key(row: Row) -> tuple[float, ...]:
@@ -92,13 +95,15 @@ def plan(
 def make_encoder(
     tokenizer, *, context_length: int | None, max_new_tokens: int, truncate: str | None,
     chat: bool = False, system: str | None = None, template: TemplateOptions = TemplateOptions(),
+    options: RowOptions = RowOptions(),
 ) -> Encode:
     """Token ids per row. Chat rows (and, with `chat`, plain prompts as one user message) are
     rendered by the chat template (chat.render) with the run's `template` options and the row's
     own over them; other prompts are raw text (with the tokenizer's own special tokens, e.g. a
     BOS). `system` adds a system message to chats that have none. Then prompt tokens +
     max_new_tokens (the row's own, else the run's) <= context_length, or the prompt is cut on
-    the `truncate` side ("left" keeps its end, "right" keeps its start)."""
+    the `truncate` side ("left" keeps its end, "right" keeps its start). A row's own options must
+    combine with the run's `options`, and its grammar must compile for this tokenizer."""
 
     def chat_ids(row: Row) -> list[int] | RowError:
         try:
@@ -119,6 +124,9 @@ def make_encoder(
         if unknown:
             return RowError(row.line, row.id, "invalid_request",
                             f"logit_bias names token ids the tokenizer does not have ({len(tokenizer)} ids): {unknown}")
+        problem = options_problem(row)
+        if problem:
+            return RowError(row.line, row.id, "invalid_request", problem)
         new_tokens = row.options.get("max_new_tokens", max_new_tokens)
         limit = None if context_length is None else context_length - new_tokens
         if limit is None or len(ids) <= limit:
@@ -130,6 +138,13 @@ def make_encoder(
             f"target's context of {context_length} (use --truncate left|right to cut it)"
         )
         return RowError(row.line, row.id, "too_long", message)
+
+    def options_problem(row: Row) -> str | None:
+        try:
+            own = replace(options, **{k: v for k, v in row.options.items() if k in ROW_OPTIONS})
+        except ValueError as e:
+            return str(e)
+        return own.grammar and grammar_problem(own.grammar, tokenizer)
 
     def encode(rows: list[Row]) -> list[list[int] | RowError]:
         raw = [r for r in rows if r.messages is None and not chat]

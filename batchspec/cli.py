@@ -153,6 +153,12 @@ def main():
         help="Completions per row, each sampled on its own (the prompt is prefilled once).")
 @option("--logprobs", type=click.IntRange(0, 20), default=None,
         help="Record each token's logprob (the target's raw log-softmax) and the top K.")
+@option("--json-schema", type=click.Path(exists=True, dir_okay=False), default=None,
+        help="A JSON schema file every row's output matches (compact JSON); a request's own response_format wins.")
+@option("--regex", default=None, help="A regular expression every row's output matches.")
+@option("--choice", default=None, help="Comma-separated texts: every row's output is one of them.")
+@option("--grammar", type=click.Path(exists=True, dir_okay=False), default=None,
+        help="A Lark or GBNF grammar file every row's output matches.")
 @option("--batch-size", type=click.IntRange(1), default=8, help="Rows per static batch.")
 @option("--max-batch-tokens", type=click.IntRange(1), default=None,
         help="Budget per batch: rows x (longest prompt + max new tokens).")
@@ -253,6 +259,9 @@ def int_list(text: str, name: str) -> list[int]:
         help="Also ar and spec auto with every logits processor (too weak to change a token) and 5 logprobs.")
 @option("--samples", type=click.IntRange(1, 128), default=1,
         help="N > 1: also ar over rows that repeat each prompt N times, prefilled once (as n: N) and each.")
+@option("--json-schema", type=click.Path(exists=True, dir_okay=False), default=None,
+        help="A JSON schema file: also ar and spec auto (with and without jump-forward) with every row's output "
+             "constrained by it.")
 @option("--out-dir", type=click.Path(file_okay=False), default=None,
         help="Also write results.csv, results.json (every pass, mismatches) and PNG plots here.")
 @option("--write-config", type=click.Path(dir_okay=False), default=None,

@@ -13,7 +13,8 @@ NGRAM = "ngram"  # --draft ngram: prompt lookup drafting, no draft model
 FINGERPRINT_FIELDS = (
     "target", "draft", "ngram", "ngram_min", "ngram_max", "mode", "gamma", "gamma_max", "max_new_tokens",
     "temperature", "top_k", "top_p", "min_p", "seed", "stop", "min_new_tokens", "repetition_penalty",
-    "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "n", "dtype",
+    "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "n", "dtype", "json_schema", "regex", "choice",
+    "grammar",
     "split", "subset", "prompt_field", "id_field", "messages_field", "tools_field", "chat", "system", "chat_template",
     "chat_template_kwargs", "continue_final_message", "truncate", "token_ids", "trace",
     "output_format", "keep_fields", "keep_all_fields", "num_shards", "shard_index",
@@ -45,6 +46,10 @@ class RunConfig:
     presence_penalty: float = 0.0
     logit_bias: tuple[str, ...] = ()  # "ID=BIAS" each
     logprobs: int | None = None  # each token's logprob and the top k
+    json_schema: str | None = None  # a JSON schema file every row's output matches (a request's own replaces it)
+    regex: str | None = None  # a regex every row's output matches
+    choice: str | None = None  # "a,b,c": every row's output is one of them
+    grammar: str | None = None  # a Lark or GBNF grammar file every row's output matches
     n: int = 1  # completions per row (a request's own n replaces it)
     batch_size: int = 8
     max_batch_tokens: int | None = None
@@ -82,8 +87,9 @@ class RunConfig:
         """What a resumed run must share with the run that started OUT."""
         options = self.options()
         fingerprint = {"options": {k: options[k] for k in FINGERPRINT_FIELDS}, "input": input_identity(self.input)}
-        if self.chat_template is not None:  # what the template says, not only where it is
-            fingerprint["chat_template"] = file_identity(self.chat_template)
+        for name in ("chat_template", "json_schema", "grammar"):  # what the file says, not only where it is
+            if getattr(self, name) is not None:
+                fingerprint[name] = file_identity(getattr(self, name))
         return orjson.loads(orjson.dumps(fingerprint))  # as it reads back from JSON (tuples are lists)
 
     @property

@@ -5,6 +5,7 @@ import platform
 import time
 from collections import Counter
 from dataclasses import replace
+from pathlib import Path
 
 import orjson
 import torch
@@ -17,6 +18,7 @@ from batchspec.chat import run_template_options
 from batchspec.config import RunConfig
 from batchspec.decoding import DecodeConfig, RowOptions, resolve_sampling
 from batchspec.decoding.engine import BatchDecoder, split
+from batchspec.decoding.grammar import Grammar, grammar_problem
 from batchspec.decoding.kv_cache import SLOT_ALIBI
 from batchspec.decoding.policy import GammaPolicy
 from batchspec.defaults import default_draft, default_target
@@ -55,12 +57,36 @@ def check_options(cfg: RunConfig) -> None:
         raise UsageError(f"--gamma must be auto or a whole number >= 1, got {cfg.gamma!r}")
     if any(not stop for stop in cfg.stop):
         raise UsageError("--stop strings must not be empty")
+    if run_grammar(cfg) is not None and cfg.min_new_tokens:
+        raise UsageError("--min-new-tokens cannot be combined with a structured output: the grammar decides where "
+                         "the output ends")
+
+
+GRAMMAR_OPTIONS = {"json_schema": "--json-schema", "regex": "--regex", "choice": "--choice", "grammar": "--grammar"}
+
+
+def run_grammar(cfg: RunConfig) -> Grammar | None:
+    """The grammar every row's output matches (--json-schema, --regex, --choice, --grammar), or None."""
+    given = [name for name in GRAMMAR_OPTIONS if getattr(cfg, name) is not None]
+    if len(given) > 1:
+        raise UsageError(f"give one of {', '.join(GRAMMAR_OPTIONS[name] for name in given)}")
+    if not given:
+        return None
+    name, value = given[0], getattr(cfg, given[0])
+    try:
+        if name in ("json_schema", "grammar"):
+            value = Path(value).read_text()
+        if name == "json_schema":
+            return Grammar.json_schema(value)
+        return Grammar.choice(value.split(",")) if name == "choice" else Grammar(name, value)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{GRAMMAR_OPTIONS[name]}: {e}") from None
 
 
 def run_row_options(cfg: RunConfig, vocab: int, generation_config) -> RowOptions:
     """What every row asks for unless its request says otherwise (the --stop, --min-new-tokens,
-    penalty, --logit-bias and --logprobs options; the repetition penalty defaults to the
-    target's generation_config, as in generate)."""
+    penalty, --logit-bias, --logprobs and grammar options; the repetition penalty defaults to
+    the target's generation_config, as in generate)."""
     bias = {int(token): float(value) for token, value in (item.split("=") for item in cfg.logit_bias)}
     if any(token >= vocab for token in bias):
         raise UsageError(f"--logit-bias names token ids the tokenizer does not have ({vocab} ids): "
@@ -68,7 +94,7 @@ def run_row_options(cfg: RunConfig, vocab: int, generation_config) -> RowOptions
     repetition = cfg.repetition_penalty or getattr(generation_config, "repetition_penalty", None) or 1.0
     return RowOptions(stop=tuple(cfg.stop), min_tokens=cfg.min_new_tokens, repetition_penalty=float(repetition),
                       frequency_penalty=cfg.frequency_penalty, presence_penalty=cfg.presence_penalty,
-                      logit_bias=bias, logprobs=cfg.logprobs)
+                      logit_bias=bias, logprobs=cfg.logprobs, grammar=run_grammar(cfg))
 
 
 def shard_items(cfg: RunConfig):
@@ -76,10 +102,13 @@ def shard_items(cfg: RunConfig):
     return shards.owned(read_run_input(cfg.input, cfg.options()), cfg.num_shards, cfg.shard_index)
 
 
-def encoder(cfg: RunConfig, tokenizer, context: int | None):
+def encoder(cfg: RunConfig, tokenizer, context: int | None, options: RowOptions):
+    problem = options.grammar and grammar_problem(options.grammar, tokenizer)
+    if problem:
+        raise UsageError(f"{GRAMMAR_OPTIONS[options.grammar.kind]}: {problem}")
     template = run_template_options(cfg.chat_template, cfg.chat_template_kwargs, cfg.continue_final_message, tokenizer)
     return make_encoder(tokenizer, context_length=context, max_new_tokens=cfg.max_new_tokens, truncate=cfg.truncate,
-                        chat=cfg.chat, system=cfg.system, template=template)
+                        chat=cfg.chat, system=cfg.system, template=template, options=options)
 
 
 def sample_id(row_id: str, index: int) -> str:
@@ -161,7 +190,7 @@ def run_locked(cfg: RunConfig, paths: OutputPaths, sink: Sink, stop: StopSignals
                           ngram=cfg.ngram_sizes, **pair.forced_tokens)
     policy = config.policy()
     run_options = run_row_options(cfg, len(pair.tokenizer), pair.target.generation_config)
-    encode = encoder(cfg, pair.tokenizer, pair.context_length)
+    encode = encoder(cfg, pair.tokenizer, pair.context_length, run_options)
     stats = RunStats()
     bar = progress_bar(input_size(cfg.input, cfg.split, cfg.subset), cfg.progress)
 
@@ -232,7 +261,8 @@ def print_summary(summary: dict, paths: OutputPaths, interrupted: bool) -> None:
         f"  tokens     {summary['completion_tokens']} generated in {summary['seconds']:.1f}s "
         f"({summary['tokens_per_s']:.1f} tok/s)",
         f"  acceptance {rate:.3f} (proposals: {summary['model_steps']} row-steps from the model, "
-        f"{summary['ngram_steps']} from n-gram lookup)" if rate is not None else "  acceptance n/a (no proposals)",
+        f"{summary['ngram_steps']} from n-gram lookup, {summary['jump_steps']} jump-forward)" if rate is not None
+        else "  acceptance n/a (no proposals)",
         f"  padding    {summary['padding_fraction']:.3f} of prompt slots, "
         f"{summary['wasted_cache_fraction']:.3f} of cache slots wasted",
         f"  output     {paths.out}",
@@ -249,7 +279,7 @@ def dry_run(cfg: RunConfig) -> int:
     record_maker(cfg, tokenizer)  # refuses --keep-fields that clash with the output's own
     specs = [cfg.target] + ([cfg.draft_model] if cfg.draft_model else [])
     contexts = [n for n in (context_length(load_config(spec)) for spec in specs) if n is not None]
-    encode = encoder(cfg, tokenizer, min(contexts, default=None))
+    encode = encoder(cfg, tokenizer, min(contexts, default=None), run_row_options(cfg, len(tokenizer), None))
     errors, lengths, batch_sizes = Counter(), Counter(), Counter()
     rows = pads = slots = 0
     for item in plan(shard_items(cfg), encode, window=cfg.window, batch_size=cfg.batch_size,

@@ -5,6 +5,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from batchspec.chat import CHAT_KEYS, renders
+from batchspec.decoding.grammar import Grammar
 
 
 def is_int(value) -> bool:
@@ -45,13 +46,11 @@ BIAS = numbers(-100, 100)
 LOGIT_BIAS = Check(lambda v: isinstance(v, dict) and all(k.isascii() and k.isdigit() and BIAS.test(b)
                                                          for k, b in v.items()),
                    "an object of token id strings to numbers in [-100, 100]")
-RESPONSE_FORMAT = Check(lambda v: isinstance(v, dict) and v.get("type") in ("text", "json_object", "json_schema"),
-                        "an object whose 'type' is text, json_object or json_schema")
 TOOL_CHOICE = Check(lambda v: isinstance(v, (str, dict)), "a string or an object")
 POSITIVE = Check(lambda v: is_number(v) and v > 0, "a number > 0")
 
 
-GENERATION, STRUCTURED = "generation options", "structured outputs"
+GENERATION = "generation options"
 LEGACY = "the legacy function calling: give tools and tool_choice"
 
 
@@ -72,7 +71,8 @@ class Unhonored:
 HONORED_KEYS = {"n", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
                 "stop_token_ids", "ignore_eos", "stop", "include_stop_str_in_output", "min_tokens", "logprobs",
                 "top_logprobs", "frequency_penalty", "presence_penalty", "repetition_penalty",
-                "logit_bias"}  # request_options
+                "logit_bias", "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                "structured_outputs"}  # request_options
 NO_EFFECT_KEYS = {"model", "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
                   "stream_options", "parallel_tool_calls"}  # any value: no effect (stream and tools are refused)
 UNHONORED = {
@@ -81,12 +81,6 @@ UNHONORED = {
     "skip_special_tokens": Unhonored(BOOLEAN, (True,)),
     "echo": Unhonored(BOOLEAN, (False,)),
     "suffix": Unhonored(STRING),
-    "response_format": Unhonored(RESPONSE_FORMAT, ({"type": "text"},), STRUCTURED),
-    "guided_json": Unhonored(Check(lambda v: isinstance(v, (dict, str)), "an object or a string"), (), STRUCTURED),
-    "guided_regex": Unhonored(STRING, (), STRUCTURED),
-    "guided_choice": Unhonored(STRINGS, (), STRUCTURED),
-    "guided_grammar": Unhonored(STRING, (), STRUCTURED),
-    "structured_outputs": Unhonored(OBJECT, (), STRUCTURED),
     "functions": Unhonored(LIST, ([],), LEGACY),
     "function_call": Unhonored(TOOL_CHOICE, ("none",), LEGACY),
     "reasoning_effort": Unhonored(STRING, (), "reasoning effort: set the template's own flag in chat_template_kwargs"),
@@ -184,7 +178,70 @@ def request_options(body: dict, chat: bool) -> dict:
     logprobs = logprobs_option(body, chat)
     if logprobs is not None:
         options["logprobs"] = logprobs
+    grammar = structured_output(body)
+    if grammar is not None:
+        options["grammar"] = grammar
     return options
+
+
+JSON_OBJECT = {"type": "object"}  # OpenAI's JSON mode: any object
+GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}  # vLLM's
+
+
+def grammar_of(key: str, kind: str, value) -> Grammar:
+    """A body value as a grammar of its kind (a JSON schema: an object or its JSON text)."""
+    if kind in ("regex", "grammar") and not isinstance(value, str):
+        raise ValueError(f"{key} must be a string")
+    try:
+        if kind == "json_schema":
+            return Grammar.json_schema(value)
+        return Grammar.choice(value) if kind == "choice" else Grammar(kind, value)
+    except ValueError as e:
+        raise ValueError(f"{key}: {e}") from None
+
+
+def structured_output(body: dict) -> Grammar | None:
+    """The grammar a body's structured output asks for (OpenAI's response_format, vLLM's
+    guided_* keys or its structured_outputs object), None for free text; ValueError when it is
+    malformed, cannot be enforced, or more than one is given."""
+    given = []  # (key, grammar)
+    response_format = body.get("response_format")
+    if response_format is not None:
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        if kind not in ("text", "json_object", "json_schema"):
+            raise ValueError("response_format must be an object whose 'type' is text, json_object or json_schema")
+        if kind == "json_object":
+            given.append(("response_format", grammar_of("response_format", "json_schema", JSON_OBJECT)))
+        elif kind == "json_schema":
+            spec = response_format.get("json_schema")
+            if not isinstance(spec, dict) or spec.get("schema") is None:
+                raise ValueError("response_format of type json_schema needs json_schema.schema, the JSON schema")
+            given.append(("response_format", grammar_of("response_format.json_schema.schema", kind, spec["schema"])))
+    given += [(key, grammar_of(key, kind, body[key])) for key, kind in GUIDED.items() if body.get(key) is not None]
+    outputs = body.get("structured_outputs")
+    if outputs is not None:
+        given += structured_outputs(outputs)
+    if len(given) > 1:
+        raise ValueError(f"give one structured output, not {', '.join(key for key, _ in given)}")
+    return given[0][1] if given else None
+
+
+def structured_outputs(outputs) -> list[tuple[str, Grammar]]:
+    """vLLM's structured_outputs object: json, regex, choice, grammar or json_object."""
+    if not isinstance(outputs, dict):
+        raise ValueError("structured_outputs must be an object")
+    taken = (*STRUCTURED_OUTPUTS, "json_object")
+    unsupported = sorted(k for k, v in outputs.items() if v is not None and k not in taken
+                         and not (k == "disable_any_whitespace" and v is True))
+    if unsupported:
+        raise ValueError(f"structured_outputs.{unsupported[0]} is not supported by batchspec (it writes compact JSON "
+                         "and takes json, regex, choice, grammar or json_object)")
+    given = [(f"structured_outputs.{key}", grammar_of(f"structured_outputs.{key}", kind, outputs[key]))
+             for key, kind in STRUCTURED_OUTPUTS.items() if outputs.get(key) is not None]
+    if outputs.get("json_object"):
+        given.append(("structured_outputs.json_object", grammar_of("structured_outputs", "json_schema", JSON_OBJECT)))
+    return given
 
 
 def logprobs_option(body: dict, chat: bool) -> int | None:

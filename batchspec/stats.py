@@ -24,6 +24,7 @@ class RunStats:
     accepted_tokens: int = 0
     model_steps: int = 0  # row-steps whose proposal came from the draft model
     ngram_steps: int = 0  # row-steps whose proposal came from n-gram lookup
+    jump_steps: int = 0  # row-steps whose proposal was a grammar's forced text (jump-forward)
     pad_slots: int = 0
     prompt_slots: int = 0
     empty_cache_slots: int = 0
@@ -50,6 +51,7 @@ class RunStats:
             self.accepted_tokens += s["accepted_tokens"]
             self.model_steps += s["model_steps"]
             self.ngram_steps += s["ngram_steps"]
+            self.jump_steps += s["jump_steps"]
             self.histogram = add_up(self.histogram, s["accepted_length_histogram"])
             self.gammas = add_up(self.gammas, s["gamma_histogram"])
 
@@ -82,6 +84,7 @@ class RunStats:
             "acceptance_rate": self.acceptance_rate,
             "model_steps": self.model_steps,
             "ngram_steps": self.ngram_steps,
+            "jump_steps": self.jump_steps,
             "accepted_length_histogram": self.histogram,
             "gamma_histogram": self.gammas,
             "padding_fraction": self.pad_slots / self.prompt_slots if self.prompt_slots else 0.0,

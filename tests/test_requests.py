@@ -1,5 +1,6 @@
 """OpenAI-batch request bodies: every key is honored, accepted (it cannot change the output) or refused by name."""
 
+import json
 import re
 from pathlib import Path
 
@@ -7,6 +8,7 @@ import orjson
 import pytest
 
 from batchspec.buckets import sampling_key
+from batchspec.decoding.grammar import Grammar
 from batchspec.request_body import HONORED_KEYS, NO_EFFECT_KEYS, UNHONORED
 from batchspec.sources import Fields, Row, RowError, parse_line
 
@@ -46,10 +48,7 @@ def test_keys_that_cannot_change_the_output_are_accepted(body):
 
 REFUSED = [  # valid values of keys batchspec does not honor yet
     ("best_of", 3), ("use_beam_search", True), ("skip_special_tokens", False),
-    ("echo", True), ("suffix", ""), ("response_format", {"type": "json_object"}),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}), ("guided_json", {}),
-    ("guided_regex", "a+"), ("guided_choice", ["yes", "no"]), ("guided_grammar", "root ::= 'a'"),
-    ("structured_outputs", {"choice": ["a"]}), ("functions", [{"name": "f"}]), ("function_call", {"name": "f"}),
+    ("echo", True), ("suffix", ""), ("functions", [{"name": "f"}]), ("function_call", {"name": "f"}),
     ("reasoning_effort", "low"), ("stream", True),
     ("modalities", ["text", "audio"]), ("audio", {"voice": "alloy"}), ("prediction", {"type": "content"}),
     ("web_search_options", {}),
@@ -88,12 +87,37 @@ def test_bad_values_name_their_key(key, value):
     ({"temprature": 0.5}, "unrecognized request argument 'temprature'"),
     ({"prompt": "also"}, "unrecognized request argument 'prompt'"),  # a chat request's input is its messages
     ({"max_new_tokens": 5, "Stop": "."}, "unrecognized request arguments 'Stop', 'max_new_tokens'"),
-    ({"topp": 0.5, "echo": True, "n": 0, "temprature": 1, "response_format": {"type": "json_object"}},
-     ("unrecognized request arguments 'temprature', 'topp'; 'echo', 'response_format' "
-      "are not supported by batchspec yet (generation options, structured outputs); remove them or set them to null")),
+    ({"topp": 0.5, "echo": True, "n": 0, "temprature": 1, "audio": {"voice": "alloy"}},
+     ("unrecognized request arguments 'temprature', 'topp'; 'audio', 'echo' "
+      "are not supported by batchspec yet (audio, generation options); remove them or set them to null")),
 ])
 def test_unknown_and_several_bad_keys_are_all_named_in_one_message(body, message):
     assert refusal(**body) == message
+
+
+SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+
+
+@pytest.mark.parametrize("body, grammar", [
+    ({"response_format": {"type": "json_object"}}, Grammar.json_schema({"type": "object"})),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}},
+     Grammar.json_schema(SCHEMA)),
+    ({"guided_json": SCHEMA}, Grammar.json_schema(SCHEMA)),
+    ({"guided_json": '{"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}'},
+     Grammar.json_schema(SCHEMA)),
+    ({"guided_regex": "a+"}, Grammar("regex", "a+")),
+    ({"guided_choice": ["yes", "no"]}, Grammar.choice(["yes", "no"])),
+    ({"guided_grammar": "root ::= \"a\" root?"}, Grammar("grammar", "root ::= \"a\" root?")),
+    ({"structured_outputs": {"choice": ["a"], "disable_any_whitespace": True}}, Grammar.choice(["a"])),
+    ({"structured_outputs": {"json_object": True}}, Grammar.json_schema({"type": "object"})),
+    ({"response_format": {"type": "text"}, "guided_regex": "[0-9]+"}, Grammar("regex", "[0-9]+")),
+])
+def test_structured_outputs_become_the_rows_grammar(body, grammar):
+    """Every way a client asks for one; a schema keeps its keys' order (the order written)."""
+    for url in (CHAT_URL, TEXT_URL):
+        assert parse(url, **body).options["grammar"] == grammar
+    if grammar.kind == "json_schema":
+        assert list(json.loads(grammar.text).get("properties", {})) in ([], ["b", "a"])
 
 
 def test_a_completion_request_takes_no_messages():

@@ -84,7 +84,7 @@ def test_hybrid_draft_cache_holds_each_rows_accepted_prefix(tiny_pair, family, k
     config = DecodeConfig(max_new_tokens=40, gamma_max=4, compact_at=compact_at, ngram=(1, 3))
     decoder = BatchDecoder(pair.target, pair.draft, prompts, list(range(len(prompts))), config,
                            policy=Scripted([3, 0, 4, 2, 0, 3, 1, 4], gamma_max=4))
-    ngram = decoder.drafter.ngram
+    ngram = decoder.drafter.lookup
 
     def oracle(b: int, gamma: int) -> list[int]:
         context, step = ngram.contexts[b], decoder.totals["verify_steps"]

@@ -9,8 +9,8 @@ Each step, for B live rows:
   2. propose: the drafter proposes up to gamma tokens per row, d_1..d_G (G: the most any row
               proposes; a row proposing fewer pads its slots, which are never accepted).
   3. verify:  the target scores [last, d_1..d_G] in ONE forward: logits [B, G+1, V], processed
-              (penalties, bias, min_tokens) at each position as if the proposals before it
-              had been emitted; the draft's q is processed alike.
+              (penalties, bias, min_tokens, a grammar's mask) at each position as if the
+              proposals before it had been emitted; the draft's q is processed alike.
   4. accept:  each row keeps n of its proposals plus one correction or bonus token.
   5. emit:    stop inside the kept block at an EOS or stop id, at max_new_tokens, or (on the
               host) where a stop string completes.
@@ -20,7 +20,9 @@ Each step, for B live rows:
 
 The step reads the device once (one host sync): accepted lengths, the emitted tokens, which rows
 finished, and what the policy and the caches need. Each row's tokens and statistics are kept on
-the host from there (Tally), so a finished row leaves without another read.
+the host from there (Tally), so a finished row leaves without another read. Rows with a grammar
+add reads: its matchers run on the host, so each draft proposal and the verified block are read
+before the next position's mask.
 """
 
 import hashlib
@@ -29,8 +31,9 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from batchspec.decoding.drafters import Proposal, make_drafter
+from batchspec.decoding.drafters import JumpDrafter, Proposal, make_drafter
 from batchspec.decoding.drafters.proposal import on_device
+from batchspec.decoding.grammar import GrammarRows
 from batchspec.decoding.kv_cache import BatchKV, padded
 from batchspec.decoding.options import RowOptions
 from batchspec.decoding.policy import ROW_DECAY, GammaPolicy, expected_tokens, row_alpha
@@ -55,6 +58,7 @@ class DecodeConfig:
     share_prefill: bool = True  # prefill a prompt that several rows hold once (off: bench's baseline for n)
     forced_bos_token_id: int | None = None  # the first token of every row (the generation config's)
     forced_eos_token_id: int | None = None  # the last token of a row that reaches its limit
+    jump_forward: bool = True  # with a drafter: propose the text a row's grammar forces (off: bench's baseline)
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -132,7 +136,7 @@ class Tally:
     accepted: int = 0
     histogram: list[int] = field(init=False)  # accepted lengths 0..gamma_max (speculative steps)
     gammas: list[int] = field(init=False)  # steps per number of proposals 0..gamma_max (0: plain steps)
-    sources: dict[str, int] = field(default_factory=lambda: {"model": 0, "ngram": 0})  # steps each proposed
+    sources: dict[str, int] = field(default_factory=lambda: {"model": 0, "ngram": 0, "jump": 0})  # steps each proposed
     proposed_steps: list[int] = field(default_factory=list)  # per step: proposals (0: a plain step)
     accepted_steps: list[int] = field(default_factory=list)  # per step: proposals accepted
 
@@ -181,6 +185,7 @@ class Tally:
             "gamma_histogram": self.gammas if speculative else [],
             "model_steps": self.sources["model"],
             "ngram_steps": self.sources["ngram"],
+            "jump_steps": self.sources["jump"],
         }
         trace = {"proposed": self.proposed_steps, "accepted": self.accepted_steps, "finished_at": time.time()}
         return RowOutput(self.tokens, "stop" if stopped else "length", stats, self.text_end,
@@ -309,9 +314,9 @@ class BatchDecoder:
 
     prompts: token ids per row, lengths may differ (each >= 1); row_ids: one id per row, which
     seeds its randomness with its seed; options: each row's own RowOptions (limit, seed, stop
-    ids and strings, penalties, logprobs; default: the config's settings); policy: the gamma
-    policy, shared by the batches of a run (default: a fresh one from config); tokenizer: needed
-    by rows with stop strings.
+    ids and strings, penalties, logprobs, grammar; default: the config's settings); policy: the
+    gamma policy, shared by the batches of a run (default: a fresh one from config); tokenizer:
+    needed by rows with stop strings or a grammar.
     Greedy output equals `target.generate(do_sample=False)` on each row alone, with the same
     processing; sampled output follows the target's own sampling distribution.
     """
@@ -324,8 +329,8 @@ class BatchDecoder:
             raise ValueError("need one row id (and options) per prompt and at least one prompt")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        if tokenizer is None and any(o.stop for o in options):
-            raise ValueError("stop strings need the tokenizer")
+        if tokenizer is None and any(o.stop or o.grammar for o in options):
+            raise ValueError("stop strings and grammars need the tokenizer")
         self.config, self.prompts = config, prompts
         self.policy = policy or config.policy()
         device = target.device
@@ -335,7 +340,12 @@ class BatchDecoder:
         ids, mask = padded(decoder_prompts, device)  # [B, P]
         self.target_kv = prefill(target, ids, mask, prompts, config.share_prefill, source)
         vocab = target.get_output_embeddings().weight.shape[0]
-        self.drafter = make_drafter(draft, config.ngram, prompts, ids, mask, vocab, source)
+        grammars = [o.grammar for o in options]
+        self.grammar = GrammarRows(grammars, tokenizer, vocab, config.eos_token_ids, device,
+                                   skip_first=config.forced_bos_token_id is not None) if any(grammars) else None
+        speculates = draft is not None or config.ngram is not None
+        self.jump = JumpDrafter(self.grammar, device) if self.grammar and config.jump_forward and speculates else None
+        self.drafter = make_drafter(draft, config.ngram, prompts, ids, mask, vocab, source, self.jump)
         gamma_max = self.policy.gamma_max if self.drafter else 0
         limits = [o.max_new_tokens or config.max_new_tokens for o in options]
         seeds = [config.seed if o.seed is None else o.seed for o in options]
@@ -343,7 +353,7 @@ class BatchDecoder:
         self.rows = start_rows(row_ids, limits, seeds, stop_ids, config, gamma_max, device)
         self.rows.last = ids[:, -1]  # the last prompt token is fed by the first step, like any newest token
         self.processors = Processors(options, decoder_prompts, self.rows.stop_ids, vocab, device,
-                                     forced_tokens(config, limits, gamma_max, device))
+                                     forced_tokens(config, limits, gamma_max, device), self.grammar)
         self.top_logprobs = max((o.logprobs for o in options if o.logprobs is not None), default=None)
         self.tallies = [Tally(b, gamma_max, StopStrings(o.stop, tokenizer, o.include_stop_str) if o.stop else None,
                               o.logprobs) for b, o in enumerate(options)]  # the live rows, in batch order
@@ -365,11 +375,13 @@ class BatchDecoder:
         rows, params, drafter, target_kv = self.rows, self.config.sampling, self.drafter, self.target_kv
         B = len(self.tallies)
         behind = drafter.behind if drafter else 0
-        gamma = self.policy.choose(B, self.expected) if drafter else 0
-        if gamma:
-            u = None if params.greedy else rows.uniform(DRAFT, gamma)  # [B, gamma]
+        chosen = self.policy.choose(B, self.expected) if drafter else 0
+        if chosen:
+            u = None if params.greedy else rows.uniform(DRAFT, chosen)  # [B, gamma]
             process = self.process_draft if self.processors.active else None
-            proposal = drafter.propose(rows.last, gamma, params, u, process)
+            proposal = drafter.propose(rows.last, chosen, params, u, process)
+        elif self.jump:  # a plain step, but what the grammars force costs no draft forward
+            proposal = self.jump.propose(rows.last, self.policy.gamma_max, params, None)
         else:
             proposal = Proposal.none(rows.last)
         gamma, draft_tokens, lengths = proposal.width, proposal.tokens, proposal.short_lengths()
@@ -403,12 +415,15 @@ class BatchDecoder:
             entries = logprob_entries(row_logprobs[b], len(blocks[b]), k, top) if k is not None else []
             tally.add_step(proposal.lengths[b], proposal.sources[b], int(n_host[b]), proposal.forwards, blocks[b],
                            entries)
+        if self.grammar:
+            self.grammar.advance(blocks)
         max_n = int(max(n_host))
         if drafter:
             checked_host = sum(min(k + 1, proposed) for k, proposed in zip(n_host, proposal.lengths))
             typical = self.totals["verify_steps"] > 1 and (gamma == 0 or behind <= 1)  # not the first, no catch-up
             seconds = time.perf_counter() - started if typical else None
-            self.policy.observe(B, gamma, int(sum(n_host)), int(checked_host), seconds)
+            if chosen or not gamma:  # a plain step's jump-forward tells the policy nothing of its choices
+                self.policy.observe(B, gamma, int(sum(n_host)), int(checked_host), seconds)
             if gamma:
                 target_kv.rollback(n + 1, gamma + 1, max_n + 1)
             drafter.verified(proposal, rows.last, n, max_n, blocks)
@@ -453,6 +468,8 @@ class BatchDecoder:
         keep = torch.argsort(finished.to(torch.uint8), stable=True)[: len(kept)]  # kept, on the device
         self.rows.select(keep)
         self.processors.select(keep)
+        if self.grammar:
+            self.grammar.select(kept)
         self.target_kv.select(keep)
         if self.drafter:
             self.drafter.select(keep, kept)
@@ -469,6 +486,7 @@ class BatchDecoder:
             "rows": len(self.prompts),
             "padding_fraction": self.padding_fraction,
             "wasted_cache_fraction": totals["empty_slots"] / totals["slots"] if totals["slots"] else 0.0,
+            "mask_seconds": self.grammar.seconds if self.grammar else 0.0,  # host time of grammar masks
             **totals,
         }
         return BatchOutput(self.results, stats)

@@ -3,6 +3,8 @@ body keys, or the run's command line for every row)."""
 
 from dataclasses import dataclass, field
 
+from batchspec.decoding.grammar import Grammar
+
 
 @dataclass(frozen=True)
 class RowOptions:
@@ -20,6 +22,7 @@ class RowOptions:
     presence_penalty: float = 0.0  # OpenAI's: minus this once the token is in the output
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     logprobs: int | None = None  # None: none; k: each token's logprob and the top k (0: the token's only)
+    grammar: Grammar | None = None  # structured output: what the row's text must match
 
     def __post_init__(self):
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
@@ -32,6 +35,20 @@ class RowOptions:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        problem = self.grammar_conflict()
+        if problem:
+            raise ValueError(problem)
+
+    def grammar_conflict(self) -> str | None:
+        """Why a structured output cannot be combined with these options, or None: the grammar
+        decides where the output ends, with an EOS id once it is complete."""
+        if self.grammar is None:
+            return None
+        conflicts = [name for name, on in (("ignore_eos", self.ignore_eos), ("min_tokens", self.min_tokens)) if on]
+        if conflicts:
+            return (f"{' and '.join(conflicts)} cannot be combined with a structured output: the grammar decides "
+                    "where the output ends")
+        return None
 
     def ending_ids(self, eos_token_ids: tuple[int, ...]) -> list[int]:
         """The ids that end this row: the EOS ids (unless ignored) and its stop ids."""

@@ -1,22 +1,24 @@
 """Logits processing that depends on a row's context: logit bias, repetition, frequency and
-presence penalties, min_tokens, and the tokens a generation config forces at an output index
-(forced BOS first, forced EOS last, as BART's and mBART's do). Applied alike to the target's
-logits (p) and the draft's (q).
+presence penalties, min_tokens, a structured output's grammar mask, and the tokens a generation
+config forces at an output index (forced BOS first, forced EOS last, as BART's and mBART's do).
+Applied alike to the target's logits (p) and the draft's (q).
 
 The target scores G+1 positions of a step at once; position i must be processed as if the
 proposals before it, d_1..d_i, had been emitted. So each row's counts of its output tokens [B, V]
 (and the set of tokens in its prompt and output, for the repetition penalty) are held on the
 device, and each position adds the cumulative one-hot of the proposals before it: no loop over
-positions, no host sync.
+positions, no host sync. A grammar is the exception: its matchers run on the host, so the proposals are
+read there (grammar.GrammarRows).
 
 Order as transformers' generate applies them (logit bias, repetition penalty, min_new_tokens,
-forced tokens), with OpenAI's frequency/presence penalties after the repetition penalty as vLLM
-does; in float32, like generate's scores. Sampling warpers (temperature, top-k, top-p, min-p)
+grammar mask, forced tokens), with OpenAI's frequency/presence penalties after the repetition
+penalty as vLLM does; in float32, like generate's scores. Sampling warpers (temperature, top-k, top-p, min-p)
 come after, in sampling.probabilities.
 """
 
 import torch
 
+from batchspec.decoding.grammar import GrammarRows
 from batchspec.decoding.options import RowOptions
 
 
@@ -41,9 +43,10 @@ class Processors:
     """The live rows' context-dependent processing; a no-op when no row asks for any."""
 
     def __init__(self, options: list[RowOptions], prompts: list[list[int]], ending: torch.Tensor, vocab: int,
-                 device: torch.device, forced: torch.Tensor | None = None):
+                 device: torch.device, forced: torch.Tensor | None = None, grammar: GrammarRows | None = None):
         """ending: [B, K] the ids that end each row (-1: none), masked before min_tokens; forced:
-        [B, W] the token forced at each output index (-1: none), W past every row's limit."""
+        [B, W] the token forced at each output index (-1: none), W past every row's limit;
+        grammar: the rows' grammar states (the engine advances them)."""
         B, self.vocab = len(options), vocab
         column = lambda values: torch.tensor(values, dtype=torch.float32, device=device)  # noqa: E731
         self.repetition = column([o.repetition_penalty for o in options])  # [B]
@@ -56,7 +59,9 @@ class Processors:
             "counts": any(o.frequency_penalty or o.presence_penalty for o in options),
             "min_tokens": any(o.min_tokens for o in options),
             "forced": forced is not None,
+            "grammar": grammar is not None and grammar.active,
         }
+        self.grammar = grammar
         self.forced = forced if forced is not None else torch.zeros(B, 0, dtype=torch.long, device=device)
         self.bias = torch.zeros(B, vocab if self.uses["bias"] else 0, device=device)  # [B, V]
         if self.uses["bias"]:
@@ -98,11 +103,14 @@ class Processors:
             at = produced[:, None] + first + torch.arange(J, device=logits.device)  # [B, J] output index
             early = at < self.min_tokens[:, None]  # [B, J]
             scores = scores.masked_fill(early[:, :, None] & self.ending[:, None, :], float("-inf"))
-        if self.uses["forced"]:  # every other token -inf, as transformers' ForcedBOS/EOS processors do
+        if self.uses["grammar"]:
+            allowed = self.grammar.allowed(proposals.tolist(), first, J)  # [B, J, V]
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        if self.uses["forced"]:  # 0 for the token, -inf for every other, as transformers' ForcedBOS/EOS do
             at = produced[:, None] + first + torch.arange(J, device=logits.device)  # [B, J] output index
             token = self.forced.gather(1, at.clamp_(max=self.forced.shape[1] - 1))  # [B, J]
-            other = torch.arange(self.vocab, device=logits.device) != token[:, :, None].clamp(min=0)  # [B, J, V]
-            scores = scores.masked_fill((token >= 0)[:, :, None] & other, float("-inf"))
+            it = torch.arange(self.vocab, device=logits.device) == token[:, :, None]  # [B, J, V]
+            scores = torch.where((token >= 0)[:, :, None], torch.where(it, 0.0, float("-inf")), scores)
         return scores
 
     def emitted(self, new: torch.Tensor, count: torch.Tensor) -> None:

@@ -15,27 +15,36 @@ batch's rows:
   behind              tokens the drafter has not seen yet (host int): a step after which it
                       catches up is not a typical step to time.
 
-make_drafter picks the kind: a draft model, n-gram lookup (no model), or both (hybrid).
+make_drafter picks the kind: a draft model, n-gram lookup (no model), or both (hybrid); with a
+grammar, each row's forced text (jump-forward) comes before either.
 """
 
 import torch
 
+from batchspec.decoding.drafters.first_of import FirstOf
 from batchspec.decoding.drafters.hybrid import HybridDrafter
+from batchspec.decoding.drafters.jump import JumpDrafter
 from batchspec.decoding.drafters.model import ModelDrafter
 from batchspec.decoding.drafters.ngram import NgramDrafter
 from batchspec.decoding.drafters.proposal import Proposal
 
 
 def make_drafter(draft, ngram: tuple[int, int] | None, prompts: list[list[int]], ids: torch.Tensor,
-                 mask: torch.Tensor, vocab: int, source: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 mask: torch.Tensor, vocab: int, source: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 jump: JumpDrafter | None = None):
     """draft: a draft model or None; ngram: (n_min, n_max) for prompt lookup, or None. ids, mask:
     [B, P] the left-padded (decoder) prompts; vocab: the target's logit width; source: the
-    prompts, right-padded, for an encoder–decoder pair. None: no drafter (ar)."""
+    prompts, right-padded, for an encoder–decoder pair; jump: the rows' grammars' forced text,
+    proposed first (None: no jump-forward). None: no drafter (ar)."""
+    if draft is None and not ngram:
+        return None
     model = ModelDrafter(draft, ids, mask, vocab, source) if draft is not None else None
-    lookup = NgramDrafter(prompts, *ngram, device=ids.device) if ngram else None
+    lookups = [jump] if jump is not None else []
+    lookups += [NgramDrafter(prompts, *ngram, device=ids.device)] if ngram else []
+    lookup = FirstOf(lookups) if len(lookups) > 1 else lookups[0] if lookups else None
     if model and lookup:
         return HybridDrafter(model, lookup)
     return model or lookup
 
 
-__all__ = ["HybridDrafter", "ModelDrafter", "NgramDrafter", "Proposal", "make_drafter"]
+__all__ = ["FirstOf", "HybridDrafter", "JumpDrafter", "ModelDrafter", "NgramDrafter", "Proposal", "make_drafter"]

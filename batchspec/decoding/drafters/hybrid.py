@@ -1,9 +1,9 @@
-"""N-gram lookup where a row's context has a match, the draft model elsewhere.
+"""A host lookup (n-gram, a grammar's forced text) where a row has one, the draft model elsewhere.
 
-A lookup costs next to nothing and, where the output copies its input, is accepted far more
-often than a small model's guess; the model covers the rows that copy nothing. When every row
-has a match the model sits out the step and owes the accepted tokens (ModelDrafter catches up
-in its next forward); when it runs, rows that took the lookup's proposal keep only `last` in
+A lookup costs next to nothing and, where the output copies its input (or the grammar allows
+one continuation), is accepted far more often than a small model's guess; the model covers the
+other rows. When every row has a match the model sits out the step and owes the accepted tokens
+(ModelDrafter catches up in its next forward); when it runs, rows that took the lookup's proposal keep only `last` in
 the draft cache and owe their accepted tokens likewise, so the cache holds each row's true
 context either way.
 """
@@ -11,21 +11,21 @@ context either way.
 import torch
 
 from batchspec.decoding.drafters.model import ModelDrafter
-from batchspec.decoding.drafters.ngram import NgramDrafter
 from batchspec.decoding.drafters.proposal import Proposal, on_device
 from batchspec.decoding.sampling import one_hot
 
 
 class HybridDrafter:
-    def __init__(self, model: ModelDrafter, ngram: NgramDrafter):
-        self.model, self.ngram = model, ngram
+    def __init__(self, model: ModelDrafter, lookup):
+        """lookup: a host drafter (NgramDrafter, JumpDrafter, or FirstOf of them)."""
+        self.model, self.lookup = model, lookup
 
     @property
     def behind(self) -> int:
         return self.model.behind
 
     def propose(self, last: torch.Tensor, gamma: int, params, u, process=None) -> Proposal:
-        looked = self.ngram.propose(last, gamma, params, u)
+        looked = self.lookup.propose(last, gamma, params, u)
         if all(looked.lengths):  # every row has a match
             return looked
         drafted = self.model.propose(last, gamma, params, u, process)
@@ -40,11 +40,11 @@ class HybridDrafter:
         return Proposal(tokens, q, lengths, sources, drafted.forwards)
 
     def verified(self, proposal: Proposal, last, n, max_n: int, appended: list[list[int]]) -> None:
-        self.ngram.verified(proposal, last, n, max_n, appended)
+        self.lookup.verified(proposal, last, n, max_n, appended)
         self.model.verified(proposal, last, n, max_n, appended)
 
     def select(self, keep: torch.Tensor, kept: list[int]) -> None:
-        self.ngram.select(keep, kept)
+        self.lookup.select(keep, kept)
         self.model.select(keep, kept)
 
     def compact(self) -> None:

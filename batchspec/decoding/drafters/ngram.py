@@ -15,10 +15,11 @@ Proposals are deterministic, so q is one-hot (Proposal.q None).
 
 import torch
 
-from batchspec.decoding.drafters.proposal import Proposal, on_device
+from batchspec.decoding.drafters.proposal import Proposal, looked_up
 
 
 class NgramDrafter:
+    source = "ngram"
     behind = 0  # it reads every token as the step's sync brings it
 
     def __init__(self, prompts: list[list[int]], n_min: int, n_max: int, device: torch.device):
@@ -48,11 +49,7 @@ class NgramDrafter:
         return []
 
     def propose(self, last, gamma: int, params, u, process=None) -> Proposal:
-        found = [self.lookup(b, gamma) for b in range(len(self.contexts))]
-        width = max(map(len, found))
-        padded = [tokens + [0] * (width - len(tokens)) for tokens in found]
-        tokens = on_device(padded, self.device).reshape(len(found), width)  # [B, G]
-        return Proposal(tokens, None, [len(t) for t in found], ["ngram" if t else None for t in found])
+        return looked_up([self], len(self.contexts), gamma, self.device)
 
     def verified(self, proposal, last, n, max_n: int, appended: list[list[int]]) -> None:
         for b, tokens in enumerate(appended):

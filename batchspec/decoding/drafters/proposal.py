@@ -13,7 +13,7 @@ class Proposal:
     tokens: torch.Tensor  # [B, G] d_1..d_G per row
     q: torch.Tensor | None  # [B, G, V] the draft's probabilities; None: one-hot at tokens (or greedy)
     lengths: list[int]  # host: proposals per row, each <= G
-    sources: list[str | None]  # host: per row "model", "ngram", or None (proposed nothing)
+    sources: list[str | None]  # host: per row "model", "ngram", "jump", or None (proposed nothing)
     forwards: int = 0  # draft model forwards it took (0: the draft model sat out)
 
     @classmethod
@@ -36,3 +36,19 @@ class Proposal:
 def on_device(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
     """A host list as a device tensor: a copy that does not wait for the device."""
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+def looked_up(drafters: list, rows: int, gamma: int, device: torch.device) -> Proposal:
+    """Host drafters' proposals (each has `source` and lookup(b, gamma) -> up to gamma host ids):
+    each row takes the first drafter's that has any."""
+    found, sources = [[] for _ in range(rows)], [None] * rows
+    for b in range(rows):
+        for drafter in drafters:
+            found[b] = drafter.lookup(b, gamma)
+            if found[b]:
+                sources[b] = drafter.source
+                break
+    width = max(map(len, found))
+    padded = [tokens + [0] * (width - len(tokens)) for tokens in found]
+    tokens = on_device(padded, device).reshape(rows, width)  # [B, G]
+    return Proposal(tokens, None, [len(t) for t in found], sources)
