@@ -3,7 +3,6 @@
 import random
 
 import pytest
-import torch
 
 from batchspec.decoding.policy import PROBE_LAST, GammaPolicy, StepCosts, expected_tokens
 
@@ -31,7 +30,7 @@ def test_choose_picks_what_the_formula_says(alpha, base, per_draft):
     policy = GammaPolicy(gamma_max=8)
     cost = lambda g: base + per_draft * g  # noqa: E731
     timed(policy, cost)
-    expected = expected_tokens(torch.full((ROWS,), alpha), torch.full((ROWS,), 100), 8).sum(0).tolist()
+    expected = expected_tokens([alpha] * ROWS, [100] * ROWS, 8)
     assert policy.choose(ROWS, expected) == by_formula(alpha, cost, 8)
 
 
@@ -39,20 +38,18 @@ def test_choose_weighs_each_rows_own_expectation():
     """Two rows that accept everything and two that accept nothing: the sum of their E decides."""
     policy = GammaPolicy(gamma_max=8)
     timed(policy, lambda g: 1.0 + 0.1 * g)
-    alpha = torch.tensor([1.0, 1.0, 0.0, 0.0])
-    expected = expected_tokens(alpha, torch.full((4,), 100), 8).sum(0).tolist()
+    expected = expected_tokens([1.0, 1.0, 0.0, 0.0], [100] * 4, 8)
     assert expected[:3] == pytest.approx([4, 6, 8], rel=1e-4)  # 2 rows x (gamma + 1) + 2 rows x 1
     assert policy.choose(ROWS, expected) == 8  # (2 * 9 + 2) / 1.8 beats every shorter gamma
 
 
 def test_expected_tokens_never_exceed_what_a_row_may_still_generate():
-    alpha = torch.tensor([0.999999, 0.999999, 0.0, 0.5])
-    remaining = torch.tensor([100, 2, 100, 1])
-    e = expected_tokens(alpha, remaining, 4)  # [4, 5]
-    assert e[0].tolist() == pytest.approx([1, 2, 3, 4, 5], rel=1e-4)
-    assert e[1].tolist() == pytest.approx([1, 2, 2, 2, 2], rel=1e-4)  # two tokens left: gamma > 1 gains nothing
-    assert e[2].tolist() == pytest.approx([1] * 5)
-    assert e[3].tolist() == pytest.approx([1] * 5)
+    e = [expected_tokens([alpha], [left], 4) for alpha, left in ((1.0, 100), (1.0, 2), (0.0, 100), (0.5, 1))]
+    assert e[0] == pytest.approx([1, 2, 3, 4, 5])
+    assert e[1] == pytest.approx([1, 2, 2, 2, 2])  # two tokens left: gamma > 1 gains nothing
+    assert e[2] == pytest.approx([1] * 5)
+    assert e[3] == pytest.approx([1] * 5)
+    assert expected_tokens([0.5, 0.5], [100, 100], 2) == pytest.approx([2, 3, 3.5])  # summed over rows
 
 
 def simulate(policy: GammaPolicy, alpha_of_step, cost, steps: int, seed: int = 0) -> list[int]:

@@ -32,6 +32,7 @@ def assert_caches_hold_accepted_prefixes(decoder, pair, prompts, drafter) -> Non
     """The target's and the draft's caches, fed each row's newest token (the draft first what it
     owes), give the logits of a clean forward over the row's whole sequence."""
     rows = decoder.rows
+    drafter.catch_up()  # what plain steps left on the host
     ones = torch.ones_like(rows.last)[:, None]
     target_logits = next_logits_from_cache(decoder.target_kv, rows.last[:, None], ones)
     draft_in = torch.cat([drafter.owed, rows.last[:, None]], dim=1)  # what the draft owes, then the newest

@@ -105,7 +105,6 @@ class Rows:
     produced: torch.Tensor  # [B] tokens generated so far
     limit: torch.Tensor  # [B] the row's max_new_tokens
     uniforms: torch.Tensor  # [B, W, 3] per-row uniforms by output position and stream (W = limit + G + 1)
-    seen: torch.Tensor  # [B, 2] decayed accepted and checked proposals (the row's alpha, auto)
     stop_ids: torch.Tensor  # [B, K] ids that end the row (its EOS ids and stop ids), -1: none
 
     def select(self, keep: torch.Tensor) -> None:
@@ -124,6 +123,7 @@ class Tally:
 
     index: int  # position of the row in the caller's prompt list
     gamma_max: int
+    limit: int  # the row's max_new_tokens
     stop: StopStrings | None = None  # the row's stop strings
     top_logprobs: int | None = None  # None: no logprobs; k: keep each token's and the top k
     tokens: list[int] = field(default_factory=list)
@@ -139,6 +139,7 @@ class Tally:
     sources: dict[str, int] = field(default_factory=lambda: {"model": 0, "ngram": 0, "jump": 0})  # steps each proposed
     proposed_steps: list[int] = field(default_factory=list)  # per step: proposals (0: a plain step)
     accepted_steps: list[int] = field(default_factory=list)  # per step: proposals accepted
+    seen: tuple[float, float] = (0.0, 0.0)  # decayed accepted and checked proposals: the row's alpha (auto)
 
     def __post_init__(self):
         self.histogram, self.gammas = [0] * (self.gamma_max + 1), [0] * (self.gamma_max + 1)
@@ -214,7 +215,6 @@ def start_rows(row_ids, limits: list[int], seeds: list[int], stop_ids: list[list
         produced=torch.zeros(B, dtype=torch.long, device=device),
         limit=torch.tensor(limits, dtype=torch.long, device=device),
         uniforms=uniforms.to(device),
-        seen=torch.zeros(B, 2, device=device),
         stop_ids=stop_table(stop_ids).to(device),
     )
 
@@ -355,8 +355,9 @@ class BatchDecoder:
         self.processors = Processors(options, decoder_prompts, self.rows.stop_ids, vocab, device,
                                      forced_tokens(config, limits, gamma_max, device), self.grammar)
         self.top_logprobs = max((o.logprobs for o in options if o.logprobs is not None), default=None)
-        self.tallies = [Tally(b, gamma_max, StopStrings(o.stop, tokenizer, o.include_stop_str) if o.stop else None,
-                              o.logprobs) for b, o in enumerate(options)]  # the live rows, in batch order
+        stops = [StopStrings(o.stop, tokenizer, o.include_stop_str) if o.stop else None for o in options]
+        self.tallies = [Tally(b, gamma_max, limit, stop, o.logprobs)
+                        for b, (o, limit, stop) in enumerate(zip(options, limits, stops))]  # the live rows, in order
         for tally, prompt in zip(self.tallies, decoder_prompts):  # the prefill (or the encoding) is a forward
             tally.target_forwards = int(len(prompt) > 1 or source is not None)  # a 1-token prompt needs none
         self.expected: list[float] | None = None  # tokens the live rows should yield per gamma (auto)
@@ -391,16 +392,13 @@ class BatchDecoder:
         longest_row = (target_kv.mask.sum(-1) - (gamma - n)).max()  # valid slots after the rollback
         new, count, finished, stopped = emit(rows, draft_tokens, n, next_token)
         self.processors.emitted(new, count)
-        expected = self.expected_tokens(n, lengths, gamma, finished) if drafter and self.policy.auto else n[:0]
         logprobs = token_logprobs(raw, new, top) if raw is not None else n[:0]  # [B, G+1, 1 + 2 top]
         # the step's one host sync: the rows' new tokens and what the rollback, the eviction, the
         # compaction and the policy need
-        sync = (n, count, finished, stopped, new.flatten(), torch.stack([empty_slots, longest_row]), expected,
-                logprobs.flatten())
+        sync = (n, count, finished, stopped, new.flatten(), torch.stack([empty_slots, longest_row]), logprobs.flatten())
         host = torch.cat([t.double() for t in sync]).tolist()
-        (n_host, count_host, finished_host, stopped_host, new_host, (empty_host, longest_host), expected_host,
-         lp_host) = split(host, [t.numel() for t in sync])
-        self.expected = expected_host or None
+        n_host, count_host, finished_host, stopped_host, new_host, (empty_host, longest_host), lp_host = split(
+            host, [t.numel() for t in sync])
         self.totals["slots"] += slots
         self.totals["empty_slots"] += int(empty_host)
         self.totals["verify_steps"] += 1
@@ -417,6 +415,8 @@ class BatchDecoder:
                            entries)
         if self.grammar:
             self.grammar.advance(blocks)
+        if drafter and self.policy.auto:
+            self.expected = self.expected_tokens(n_host, proposal.lengths, finished_host)
         max_n = int(max(n_host))
         if drafter:
             checked_host = sum(min(k + 1, proposed) for k, proposed in zip(n_host, proposal.lengths))
@@ -443,18 +443,19 @@ class BatchDecoder:
         as the target's are at that position."""
         return self.processors(logits[:, None], proposals, self.rows.produced, first=proposals.shape[1])[:, 0]
 
-    def expected_tokens(self, n: torch.Tensor, lengths: torch.Tensor | None, gamma: int,
-                        finished: torch.Tensor) -> torch.Tensor:
+    def expected_tokens(self, n: list[float], lengths: list[int], finished: list[float]) -> list[float]:
         """[G+1]: tokens the rows still live after this step are expected to yield per gamma,
-        each at its own alpha (updated with this step's n [B] of lengths [B] proposals, None:
-        gamma each) and remaining limit."""
-        rows = self.rows
-        if gamma:
-            checked = (n + 1).clamp(max=gamma) if lengths is None else torch.minimum(n + 1, lengths)  # [B]
-            rows.seen = rows.seen * ROW_DECAY + torch.stack([n, checked], dim=1)
-        alpha = row_alpha(rows.seen, self.policy.alpha)  # [B]
-        per_row = expected_tokens(alpha, rows.limit - rows.produced, self.policy.gamma_max)  # [B, G+1]
-        return (per_row * ~finished[:, None]).sum(0)
+        each at its own alpha (updated with this step's n of `lengths` proposals) and remaining
+        limit; on the host, from the step's sync."""
+        alphas, remaining = [], []
+        for tally, k, proposed, done in zip(self.tallies, n, lengths, finished):
+            if any(lengths):  # a speculative step: the rows' acceptance, older steps fading
+                accepted, checked = tally.seen
+                tally.seen = (accepted * ROW_DECAY + k, checked * ROW_DECAY + min(k + 1, proposed))
+            if not done:
+                alphas.append(row_alpha(*tally.seen, self.policy.alpha))
+                remaining.append(tally.limit - len(tally.tokens))
+        return expected_tokens(alphas, remaining, self.policy.gamma_max)
 
     def evict(self, finished: torch.Tensor, finished_host: list[float], stopped_host: list[float]) -> None:
         """Move finished rows (finished [B] bool, and its host copy) into results and out of the

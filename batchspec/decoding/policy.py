@@ -22,8 +22,6 @@ plain target step, the draft sits out.
 
 import math
 
-import torch
-
 PRIOR_ALPHA = 0.5  # the run's alpha before any proposal was checked
 PRIOR_WEIGHT = 2.0  # proposals' worth of the run's alpha in each row's estimate
 ROW_DECAY = 0.95  # per speculative step: acceptance changes along a completion
@@ -33,16 +31,23 @@ PROBE_FIRST, PROBE_LAST = 16, 512  # plain steps before a probe of speculation (
 PROBE_BUDGET = 0.01  # the most of the time an expected-to-lose probe may take
 
 
-def expected_tokens(alpha: torch.Tensor, remaining: torch.Tensor, gamma_max: int) -> torch.Tensor:
-    """Tokens a step yields per row and gamma. alpha, remaining: [B] -> [B, G+1] for G = gamma_max."""
-    alpha = alpha.clamp(max=1 - 1e-6)[:, None]  # [B, 1]
-    most = torch.arange(1, gamma_max + 2, device=alpha.device)  # [G+1]: gamma + 1
-    return (1 - alpha ** torch.minimum(most[None, :], remaining[:, None])) / (1 - alpha)
+def expected_tokens(alphas: list[float], remaining: list[int], gamma_max: int) -> list[float]:
+    """Tokens a step yields with gamma = 0..gamma_max, summed over rows (host numbers: rows'
+    alphas and the tokens each may still generate): E = 1 + a + ... + a^(m-1), m = min(gamma + 1,
+    remaining)."""
+    totals = [0.0] * (gamma_max + 1)
+    for alpha, left in zip(alphas, remaining):
+        power, tokens = 1.0, 0.0
+        for gamma in range(gamma_max + 1):
+            if gamma < left:
+                tokens, power = tokens + power, power * alpha
+            totals[gamma] += tokens
+    return totals
 
 
-def row_alpha(seen: torch.Tensor, prior: float) -> torch.Tensor:
-    """seen: [B, 2] decayed (accepted, checked) proposals per row -> alpha [B]."""
-    return (seen[:, 0] + PRIOR_WEIGHT * prior) / (seen[:, 1] + PRIOR_WEIGHT)
+def row_alpha(accepted: float, checked: float, prior: float) -> float:
+    """A row's alpha from its decayed accepted and checked proposals, shrunk towards the run's."""
+    return (accepted + PRIOR_WEIGHT * prior) / (checked + PRIOR_WEIGHT)
 
 
 class StepCosts:
@@ -63,9 +68,12 @@ class StepCosts:
         never timed borrows the nearest one's costs: only their ratios matter to the choice."""
         if not self.cells:
             return None
-        near = min(self.cells, key=lambda b: (abs(math.log(b / rows)), b))
+        near = rows if rows in self.cells else min(self.cells, key=lambda b: (abs(math.log(b / rows)), b))
         timed = self.cells[near]
-        return [timed[g] if g in timed else self.between(timed, g, self.slope(near)) for g in range(gamma_max + 1)]
+        if len(timed) == gamma_max + 1:
+            return [timed[g] for g in range(gamma_max + 1)]
+        slope = self.slope(near)
+        return [timed[g] if g in timed else self.between(timed, g, slope) for g in range(gamma_max + 1)]
 
     @staticmethod
     def between(timed: dict[int, float], gamma: int, slope: float) -> float:

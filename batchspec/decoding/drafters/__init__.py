@@ -27,6 +27,7 @@ from batchspec.decoding.drafters.jump import JumpDrafter
 from batchspec.decoding.drafters.model import ModelDrafter
 from batchspec.decoding.drafters.ngram import NgramDrafter
 from batchspec.decoding.drafters.proposal import Proposal
+from batchspec.decoding.seq2seq import decoder_prefix
 
 
 def make_drafter(draft, ngram: tuple[int, int] | None, prompts: list[list[int]], ids: torch.Tensor,
@@ -38,7 +39,10 @@ def make_drafter(draft, ngram: tuple[int, int] | None, prompts: list[list[int]],
     proposed first (None: no jump-forward). None: no drafter (ar)."""
     if draft is None and not ngram:
         return None
-    model = ModelDrafter(draft, ids, mask, vocab, source) if draft is not None else None
+    model = None
+    if draft is not None:  # an encoder–decoder's decoder prompt is its start, for every row
+        newest = [p[-1] for p in prompts] if source is None else [decoder_prefix(draft)[-1]] * len(prompts)
+        model = ModelDrafter(draft, ids, mask, vocab, newest, source)
     lookups = [jump] if jump is not None else []
     lookups += [NgramDrafter(prompts, *ngram, device=ids.device)] if ngram else []
     lookup = FirstOf(lookups) if len(lookups) > 1 else lookups[0] if lookups else None

@@ -6,7 +6,9 @@ taken without it (gamma 0, or a hybrid step where every row took the n-gram's pr
 the accepted tokens of rows whose proposal came from elsewhere. Those are `owed` ([B, K], a 0 in
 `owed_mask` where a row owes fewer: a hole), and ride in the next proposal's first forward, ahead
 of the newest token: one batched forward catches the draft up however long it sat out, and a
-batch that never speculates never runs the draft at all.
+batch that never speculates never runs the draft at all. What steps it sat out add is kept on
+the host (`pending`, from the blocks the step's sync brought) and goes to the device once, when
+it next runs: a plain step costs the drafter no device work.
 """
 
 import torch
@@ -25,25 +27,29 @@ def fit_width(logits: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 class ModelDrafter:
-    def __init__(self, model, ids: torch.Tensor, mask: torch.Tensor, vocab: int,
+    def __init__(self, model, ids: torch.Tensor, mask: torch.Tensor, vocab: int, newest: list[int],
                  source: tuple[torch.Tensor, torch.Tensor] | None = None):
         """A draft that owes each prompt but its last token (the newest, fed by the first step).
         ids, mask: [B, P] left-padded (an encoder–decoder's decoder prompts); vocab: the
-        target's logit width; source: an encoder–decoder draft's prompts, right-padded."""
+        target's logit width; newest: each prompt's last token (host); source: an
+        encoder–decoder draft's prompts, right-padded."""
         self.kv = model_cache(model, ids.shape[0], ids.device, source)
         self.vocab = vocab
         self.owed, self.owed_mask = ids[:, :-1], mask[:, :-1]  # [B, P-1]
+        self.newest = newest  # host: each row's newest token
+        self.pending: list[list[int]] = [[] for _ in newest]  # host: owed from the steps the draft sat out
 
     @property
     def behind(self) -> int:
         """Slots of owed tokens the next proposal must first feed (host int)."""
-        return self.owed.shape[1]
+        return self.owed.shape[1] + max(map(len, self.pending), default=0)
 
     def propose(self, last: torch.Tensor, gamma: int, params: SamplingParams, u: torch.Tensor | None,
                 process=None) -> Proposal:
         """G = gamma forwards; the first also feeds the owed tokens. Proposes tokens [B, G] and q
         [B, G, V] (None when greedy). u: [B, G] uniforms for sampled drafts; process(logits [B, V],
         proposals so far [B, i]) -> logits: the rows' logits processing (None: none)."""
+        self.catch_up()
         ones = torch.ones_like(last)[:, None]  # [B, 1]
         ids = torch.cat([self.owed, last[:, None]], dim=1)  # [B, K+1]
         mask = torch.cat([self.owed_mask, ones], dim=1)
@@ -66,10 +72,10 @@ class ModelDrafter:
     def verified(self, proposal: Proposal, last: torch.Tensor, n: torch.Tensor, max_n: int, appended) -> None:
         """Cut the draft cache to each row's accepted prefix and note what it now owes."""
         tokens, gamma = proposal.tokens, proposal.width
+        newest, self.newest = self.newest, [block[-1] if block else t for block, t in zip(appended, self.newest)]
         if not proposal.forwards:  # the draft sat out: it owes `last` and each row's accepted proposals
-            slot = torch.arange(max_n, device=n.device)  # [K]
-            self.owe(torch.cat([last[:, None], tokens[:, :max_n]], dim=1),
-                     torch.cat([torch.ones_like(last)[:, None], (slot < n[:, None]).long()], dim=1))
+            for pending, last_token, block in zip(self.pending, newest, appended):
+                pending += [last_token, *block[:-1]]
             return
         # the draft ran last, d_1..d_{G-1}: a row of its own keeps last, d_1..d_n (all of them when
         # n = G) and owes d_G if it kept it; a row that took a proposal from elsewhere keeps `last`
@@ -87,6 +93,15 @@ class ModelDrafter:
             owed_mask = torch.where(own[:, None], owed_mask, slot[None, :] < n[:, None])
         self.owed, self.owed_mask = tokens[:, first : first + len(slot)], owed_mask.long()
 
+    def catch_up(self) -> None:
+        """Move what the steps the draft sat out added (host) to the owed tokens (device)."""
+        if any(self.pending):
+            B, width = len(self.pending), max(map(len, self.pending))
+            tokens = on_device([p + [0] * (width - len(p)) for p in self.pending], self.owed.device)
+            mask = on_device([[1] * len(p) + [0] * (width - len(p)) for p in self.pending], self.owed.device)
+            self.owe(tokens.reshape(B, width), mask.reshape(B, width))  # [B, W]: holes after each row's own
+            self.pending = [[] for _ in self.pending]
+
     def owe(self, tokens: torch.Tensor, mask: torch.Tensor) -> None:
         """Add tokens [B, K] (mask [B, K]) to what the next forward must first feed."""
         self.owed = torch.cat([self.owed, tokens], dim=1)
@@ -95,6 +110,7 @@ class ModelDrafter:
     def select(self, keep: torch.Tensor, kept: list[int]) -> None:
         self.kv.select(keep)
         self.owed, self.owed_mask = self.owed[keep], self.owed_mask[keep]
+        self.newest, self.pending = [self.newest[b] for b in kept], [self.pending[b] for b in kept]
 
     def compact(self) -> None:
         self.kv.compact()
