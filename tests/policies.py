@@ -9,6 +9,6 @@ class Scripted(GammaPolicy):
         super().__init__(gamma_max)
         self.gammas, self.steps = gammas, 0
 
-    def choose(self, rows: int, expected) -> int:
+    def choose(self, rows: int, expected, behind: int = 0) -> int:
         self.steps += 1
         return self.gammas[(self.steps - 1) % len(self.gammas)]

@@ -95,6 +95,25 @@ def test_a_pair_that_starts_badly_switches_speculation_on_later():
     assert all(g >= 3 for g in chosen[-PROBE_LAST // 2 :])
 
 
+def test_a_probe_waits_longer_while_the_draft_must_first_catch_up():
+    """A probe's price includes the draft's first forward over every token it skipped, timed on
+    an earlier catch-up step (which does not count as the cost of its gamma)."""
+
+    def plain_steps_before_a_probe(behind: int) -> int:
+        policy = GammaPolicy(gamma_max=2)
+        timed(policy, lambda g: 1.0 + 0.5 * g)
+        policy.accepted, policy.checked = 0.0, 100.0  # alpha 0: plain steps win
+        policy.observe(ROWS, 1, 0, ROWS, 1.5 + 0.01 * ROWS * 100, behind=100)  # 0.01 s per row and skipped token
+        assert policy.costs.estimates(ROWS, 2)[1] == pytest.approx(1.5)
+        assert policy.catch_up == pytest.approx(0.01)
+        return next(step for step in range(1, 5000) if policy.choose(ROWS, None, behind))
+
+    # loss in plain steps: 1.5 - 1 = 0.5 without a catch-up (a probe after 50 = 0.5 / 1%), and
+    # 0.5 + 0.01 * ROWS * 100 = 4.5 when the draft is 100 tokens behind (after 450)
+    assert plain_steps_before_a_probe(0) == pytest.approx(50, abs=2)
+    assert plain_steps_before_a_probe(100) == pytest.approx(450, abs=2)
+
+
 def test_a_fixed_gamma_is_always_chosen():
     policy = GammaPolicy(gamma_max=5, fixed=5)
     assert not policy.auto and simulate(policy, lambda step: 0.0, lambda g: 1.0 + g, steps=20) == [5] * 20

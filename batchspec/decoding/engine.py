@@ -376,7 +376,7 @@ class BatchDecoder:
         rows, params, drafter, target_kv = self.rows, self.config.sampling, self.drafter, self.target_kv
         B = len(self.tallies)
         behind = drafter.behind if drafter else 0
-        chosen = self.policy.choose(B, self.expected) if drafter else 0
+        chosen = self.policy.choose(B, self.expected, behind) if drafter else 0
         if chosen:
             u = None if params.greedy else rows.uniform(DRAFT, chosen)  # [B, gamma]
             process = self.process_draft if self.processors.active else None
@@ -420,10 +420,9 @@ class BatchDecoder:
         max_n = int(max(n_host))
         if drafter:
             checked_host = sum(min(k + 1, proposed) for k, proposed in zip(n_host, proposal.lengths))
-            typical = self.totals["verify_steps"] > 1 and (gamma == 0 or behind <= 1)  # not the first, no catch-up
-            seconds = time.perf_counter() - started if typical else None
+            seconds = time.perf_counter() - started if self.totals["verify_steps"] > 1 else None  # not the first
             if chosen or not gamma:  # a plain step's jump-forward tells the policy nothing of its choices
-                self.policy.observe(B, gamma, int(sum(n_host)), int(checked_host), seconds)
+                self.policy.observe(B, gamma, int(sum(n_host)), int(checked_host), seconds, behind)
             if gamma:
                 target_kv.rollback(n + 1, gamma + 1, max_n + 1)
             drafter.verified(proposal, rows.last, n, max_n, blocks)

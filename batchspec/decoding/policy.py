@@ -17,7 +17,9 @@ plain target step, the draft sits out.
 - While gamma 0 wins, a probe step with the best gamma > 0 comes after 16 plain steps, then
   after 32, 64, ... 512, and never before the time its estimated loss (what it costs over the
   tokens it should bring) is 1% of the plain steps between probes: a pair that started badly
-  can still switch speculation on later, at a bounded price.
+  can still switch speculation on later, at a bounded price. The loss includes the draft's
+  catch-up: its first forward also reads every token it skipped, a cost per row and skipped
+  token timed on the steps that did so (those steps do not count towards T).
 """
 
 import math
@@ -123,6 +125,7 @@ class GammaPolicy:
         self.costs = StepCosts()
         self.accepted, self.checked = PRIOR_ALPHA * PRIOR_WEIGHT, PRIOR_WEIGHT  # decayed run totals
         self.plain_steps, self.probe_gap = 0, PROBE_FIRST
+        self.catch_up: float | None = None  # seconds a step spends per row and token the draft skipped
 
     @property
     def auto(self) -> bool:
@@ -133,9 +136,10 @@ class GammaPolicy:
         """The run's per-proposal acceptance, recent proposals weighing most."""
         return self.accepted / self.checked
 
-    def choose(self, rows: int, expected: list[float] | None) -> int:
+    def choose(self, rows: int, expected: list[float] | None, behind: int = 0) -> int:
         """The next step's gamma for `rows` live rows. expected[g]: the tokens they are expected
-        to yield with gamma g (None: as many rows at the run's alpha)."""
+        to yield with gamma g (None: as many rows at the run's alpha); behind: the tokens the
+        draft must read before it can propose (host int)."""
         if self.fixed is not None:
             return self.fixed
         costs = self.costs.estimates(rows, self.gamma_max)
@@ -151,17 +155,26 @@ class GammaPolicy:
             return best
         self.plain_steps += 1
         probe = max(range(1, len(rates)), key=rates.__getitem__)
-        loss = costs[probe] / costs[0] - expected[probe] / expected[0]  # in plain steps: its cost beyond its yield
+        catch_up = (self.catch_up or 0.0) * rows * behind
+        loss = (costs[probe] + catch_up) / costs[0] - expected[probe] / expected[0]  # in plain steps: cost - yield
         if self.plain_steps < max(self.probe_gap, loss / PROBE_BUDGET):
             return 0
         self.plain_steps, self.probe_gap = 0, min(2 * self.probe_gap, PROBE_LAST)
         return probe
 
-    def observe(self, rows: int, gamma: int, accepted: int, checked: int, seconds: float | None) -> None:
-        """A step's outcome: proposals accepted and checked (all rows), and its seconds (None:
-        not a typical step, e.g. the draft caught up on tokens first)."""
+    def observe(self, rows: int, gamma: int, accepted: int, checked: int, seconds: float | None,
+                behind: int = 0) -> None:
+        """A step's outcome: proposals accepted and checked (all rows), its seconds (None: not
+        timed) and the tokens the draft read first (behind > 1: a catch-up, timed apart)."""
         if gamma:
             self.accepted = RUN_DECAY * self.accepted + accepted
             self.checked = RUN_DECAY * self.checked + checked
-        if seconds is not None:
+        if seconds is None:
+            return
+        if not gamma or behind <= 1:
             self.costs.add(rows, gamma, seconds)
+            return
+        costs = self.costs.estimates(rows, self.gamma_max)
+        if costs is not None:
+            per_token = max(seconds - costs[gamma], 0.0) / (rows * behind)
+            self.catch_up = per_token if self.catch_up is None else self.catch_up + 0.2 * (per_token - self.catch_up)
