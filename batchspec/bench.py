@@ -15,20 +15,19 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import torch
 
 from batchspec.bench_files import best_configs, write_results
 from batchspec.buckets import make_encoder
 from batchspec.decoding import DecodeConfig, RowOptions, decode_batch
-from batchspec.decoding.grammar import Grammar, grammar_problem
 from batchspec.decoding.kv_cache import padded
 from batchspec.decoding.policy import GammaPolicy
 from batchspec.decoding.seq2seq import decoder_prefix, model_cache
 from batchspec.defaults import default_draft, default_target
 from batchspec.errors import UsageError
 from batchspec.fidelity import mean_jsd, mismatches
+from batchspec.job import option_grammar
 from batchspec.models import load_pair
 from batchspec.sources import Row, RowError, read_jsonl
 
@@ -414,18 +413,6 @@ def verdicts(cells: list[Cell]) -> str:
     return "\n".join(lines)
 
 
-def schema_grammar(path: str, tokenizer) -> Grammar:
-    """--json-schema's grammar, checked against the tokenizer (UsageError when it cannot be)."""
-    try:
-        grammar = Grammar.json_schema(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise UsageError(f"--json-schema: {e}") from None
-    problem = grammar_problem(grammar, tokenizer)
-    if problem:
-        raise UsageError(f"--json-schema: {problem}")
-    return grammar
-
-
 def fmt(value: float | None) -> str:
     return "" if value is None else f"{value:.2f}"
 
@@ -460,7 +447,7 @@ def bench(*, target: str | None, draft: str | None, prompts: str, rows: int | No
     gammas = gammas if "model" in drafters else []
     pair = load_pair(target, draft if {"model", "hybrid"} & set(drafters) else None, dtype=dtype, device=device)
     token_ids = load_prompts(prompts, pair.tokenizer, rows or max(batch_sizes))
-    schema = RowOptions(grammar=schema_grammar(json_schema, pair.tokenizer)) if json_schema else None
+    schema = RowOptions(grammar=option_grammar("json_schema", json_schema, pair.tokenizer)) if json_schema else None
     base = DecodeConfig(max_new_tokens=max_new_tokens, eos_token_ids=pair.eos_token_ids, gamma_max=gamma_max,
                         **pair.forced_tokens)
     cells = [cell for size in batch_sizes

@@ -70,17 +70,25 @@ def run_grammar(cfg: RunConfig) -> Grammar | None:
     given = [name for name in GRAMMAR_OPTIONS if getattr(cfg, name) is not None]
     if len(given) > 1:
         raise UsageError(f"give one of {', '.join(GRAMMAR_OPTIONS[name] for name in given)}")
-    if not given:
-        return None
-    name, value = given[0], getattr(cfg, given[0])
+    return option_grammar(given[0], getattr(cfg, given[0])) if given else None
+
+
+def option_grammar(name: str, value: str, tokenizer=None) -> Grammar:
+    """A grammar option's grammar (name: a GRAMMAR_OPTIONS key; value: a file for json_schema
+    and grammar, comma-separated texts for choice), checked against the tokenizer when given;
+    UsageError naming the option when it cannot be enforced."""
     try:
-        if name in ("json_schema", "grammar"):
-            value = Path(value).read_text()
+        text = Path(value).read_text() if name in ("json_schema", "grammar") else value
         if name == "json_schema":
-            return Grammar.json_schema(value)
-        return Grammar.choice(value.split(",")) if name == "choice" else Grammar(name, value)
+            grammar = Grammar.json_schema(text)
+        else:
+            grammar = Grammar.choice(text.split(",")) if name == "choice" else Grammar(name, text)
     except (OSError, ValueError) as e:
         raise UsageError(f"{GRAMMAR_OPTIONS[name]}: {e}") from None
+    problem = tokenizer is not None and grammar_problem(grammar, tokenizer)
+    if problem:
+        raise UsageError(f"{GRAMMAR_OPTIONS[name]}: {problem}")
+    return grammar
 
 
 def run_row_options(cfg: RunConfig, vocab: int, generation_config) -> RowOptions:

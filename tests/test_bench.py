@@ -4,8 +4,10 @@ plots (no timing asserted); its fidelity and memory measures."""
 import csv
 import json
 import math
+import re
 from pathlib import Path
 
+import pytest
 import torch
 from click.testing import CliRunner
 from PIL import Image
@@ -13,17 +15,21 @@ from PIL import Image
 from batchspec.bench import PeakMemory, bench
 from batchspec.bench_files import COLUMNS
 from batchspec.cli import main
+from batchspec.errors import UsageError
 from batchspec.fidelity import jensen_shannon, mean_jsd, mismatches
 from batchspec.models import load_pair
 
 PLAIN_PROMPTS = Path(__file__).resolve().parents[1] / "sample_data" / "plain_prompts.jsonl"
 
 
-def test_bench_table(tiny_pair):
+def test_bench_table(tiny_pair, tmp_path):
     target, draft = tiny_pair("llama")
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}')
     report = bench(target=str(target), draft=str(draft), prompts=str(PLAIN_PROMPTS), rows=3, batch_sizes=[1, 3],
                    drafters=["model", "ngram", "hybrid"], gammas=[2], gamma_max=3, ngram_min=1, ngram_max=3,
-                   max_new_tokens=8, repeats=1, dtype="float32", device="cpu", with_options=True, samples=3)
+                   max_new_tokens=8, repeats=1, dtype="float32", device="cpu", with_options=True, samples=3,
+                   json_schema=str(schema))
     lines = report.splitlines()
     assert "3 prompts" in lines[2]
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines
@@ -31,15 +37,16 @@ def test_bench_table(tiny_pair):
     assert [r[:2] for r in rows] == [
         ["1", "hf generate"], ["1", "hf assisted"], ["1", "hf prompt lookup"], ["1", "ar"], ["1", "spec gamma=2"],
         ["1", "spec auto"], ["1", "ngram auto"], ["1", "hybrid auto"], ["1", "ar + options"],
-        ["1", "spec auto + options"], ["1", "ar x3 copies"], ["1", "ar n=3"],
+        ["1", "spec auto + options"], ["1", "ar + schema"], ["1", "spec auto + schema"],
+        ["1", "spec auto + schema, no jump"], ["1", "ar x3 copies"], ["1", "ar n=3"],
         ["3", "hf generate"], ["3", "ar"], ["3", "spec gamma=2"], ["3", "spec auto"], ["3", "ngram auto"],
-        ["3", "hybrid auto"], ["3", "ar + options"], ["3", "spec auto + options"], ["3", "ar x3 copies"],
-        ["3", "ar n=3"],
+        ["3", "hybrid auto"], ["3", "ar + options"], ["3", "spec auto + options"], ["3", "ar + schema"],
+        ["3", "spec auto + schema"], ["3", "spec auto + schema, no jump"], ["3", "ar x3 copies"], ["3", "ar n=3"],
     ]  # assisted generation and prompt lookup take one row at a time
     for r in rows:
         assert all(float(cell) > 0 for cell in r[2:5])  # tok/s, x ar, x hf
-        assert r[5] == "3/3"  # greedy float32: every method's completions equal ar's (+ options: ar's with
-        # them; n=3, its one prompt prefilled once: the copies', each prefilled)
+        assert r[5] == "3/3"  # greedy float32: every method's completions equal ar's (+ options, + schema:
+        # ar's with them; n=3, its one prompt prefilled once: the copies', each prefilled)
         if "auto" in r[1] or r[1].endswith("gamma=2"):
             alpha, accepted, used, ideal, achieved = r[6:]
             shares = dict(part.split(":") for part in used.split())
@@ -56,6 +63,13 @@ def test_bench_table(tiny_pair):
     assert all("best fixed (spec gamma=2)" in v and "ngram auto" in v and "hybrid auto" in v for v in verdicts)
     assert all("ar + options" in v and "spec auto + options" in v and "ar n=3 " in v and "x 3 copies" in v
                for v in verdicts)
+    assert all(re.search(r"ar \+ schema [\d.]+x ar \(masks \d+ us/token\), spec auto \+ schema [\d.]+x it, "
+                         r"[\d.]+x without jump-forward", v) for v in verdicts)
+    schema.write_text('{"type": "array", "uniqueItems": true}')  # a keyword the engine cannot enforce
+    with pytest.raises(UsageError, match="--json-schema: .*uniqueItems"):
+        bench(target=str(target), draft=str(draft), prompts=str(PLAIN_PROMPTS), rows=1, batch_sizes=[1],
+              drafters=["model"], gammas=[], gamma_max=3, ngram_min=1, ngram_max=3, max_new_tokens=8, repeats=1,
+              dtype="float32", device="cpu", json_schema=str(schema))
 
 
 def test_bench_without_a_draft_model(tiny_pair):

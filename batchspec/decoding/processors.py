@@ -104,7 +104,8 @@ class Processors:
             early = at < self.min_tokens[:, None]  # [B, J]
             scores = scores.masked_fill(early[:, :, None] & self.ending[:, None, :], float("-inf"))
         if self.uses["grammar"]:
-            allowed = self.grammar.allowed(proposals.tolist(), first, J)  # [B, J, V]
+            before = proposals.tolist() if proposals.shape[1] else [[]] * len(proposals)  # a plain step reads nothing
+            allowed = self.grammar.allowed(before, first, J)  # [B, J, V]
             scores = scores.masked_fill(~allowed, float("-inf"))
         if self.uses["forced"]:  # 0 for the token, -inf for every other, as transformers' ForcedBOS/EOS do
             at = produced[:, None] + first + torch.arange(J, device=logits.device)  # [B, J] output index

@@ -3,9 +3,9 @@
 A lookup costs next to nothing and, where the output copies its input (or the grammar allows
 one continuation), is accepted far more often than a small model's guess; the model covers the
 other rows. When every row has a match the model sits out the step and owes the accepted tokens
-(ModelDrafter catches up in its next forward); when it runs, rows that took the lookup's proposal keep only `last` in
-the draft cache and owe their accepted tokens likewise, so the cache holds each row's true
-context either way.
+(ModelDrafter catches up in its next forward); when it runs, rows that took the lookup's
+proposal keep only `last` in the draft cache and owe their accepted tokens likewise, so the
+cache holds each row's true context either way.
 """
 
 import torch
