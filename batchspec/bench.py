@@ -215,9 +215,10 @@ def decode_all(pair, cell: Cell, prompts: list[list[int]]) -> tuple[list, list, 
 
 def methods(pair, batch_size: int, drafters: list[str], gammas: list[int], base: DecodeConfig,
             ngram: tuple[int, int], with_options: bool = False, samples: int = 1,
-            schema: RowOptions | None = None) -> list[Cell]:
+            schema: RowOptions | None = None, tree_widths: tuple[int, ...] = ()) -> list[Cell]:
     """The cells one batch size compares: transformers' (its one-row methods at batch 1 only),
-    ar, the draft model at each fixed gamma, each drafter with auto (ngram: n-gram sizes),
+    ar, the draft model at each fixed gamma (and trees of each of tree_widths at that depth, and
+    with auto), each drafter with auto (ngram: n-gram sizes),
     with_options: ar and the model's auto again with OPTIONS on every row, and samples > 1: ar
     over rows that repeat each prompt `samples` times, prefilled once (n) or each (copies);
     schema (every row's grammar): ar and the model's auto with it, and auto without jump-forward."""
@@ -227,6 +228,8 @@ def methods(pair, batch_size: int, drafters: list[str], gammas: list[int], base:
     cells.append(Cell(batch_size, AR, base))
     if "model" in drafters:
         cells += [Cell(batch_size, f"spec gamma={g}", replace(base, gamma=g), pair.draft) for g in gammas]
+        cells += [Cell(batch_size, tree_method(w, g), replace(base, gamma=g, tree_width=w), pair.draft)
+                  for w in tree_widths for g in [*gammas, None]]
     for drafter in drafters:
         config = base if drafter == "model" else lookup
         draft = pair.draft if drafter in ("model", "hybrid") else None
@@ -250,16 +253,20 @@ def methods(pair, batch_size: int, drafters: list[str], gammas: list[int], base:
     return cells
 
 
+def tree_method(width: int, gamma: int | None) -> str:
+    return f"spec tree w={width} " + ("auto" if gamma is None else f"gamma={gamma}")
+
+
 def copies(samples: int) -> str:
     return f"{AR} x{samples} copies"
 
 
 def bench_size(pair, prompts, batch_size: int, drafters: list[str], gammas: list[int], base: DecodeConfig,
                ngram: tuple[int, int], repeats: int, with_options: bool, samples: int,
-               schema: RowOptions | None = None) -> list[Cell]:
+               schema: RowOptions | None = None, tree_widths: tuple[int, ...] = ()) -> list[Cell]:
     """Every method at one batch size: a warm-up batch each, then interleaved timed passes
     (counting target forwards and the memory each pass held)."""
-    cells = methods(pair, batch_size, drafters, gammas, base, ngram, with_options, samples, schema)
+    cells = methods(pair, batch_size, drafters, gammas, base, ngram, with_options, samples, schema, tree_widths)
     costs = forward_costs(pair, prompts[:batch_size], max(gammas + [base.gamma_max]))
     for cell in cells:
         decode_all(pair, cell, cell.prompts(prompts)[:batch_size])  # warm-up; auto measures its costs
@@ -355,6 +362,8 @@ def run_options(cell: Cell) -> dict | None:
     if cell.policy is None:
         return {"mode": "ar"}
     options = {"mode": "spec", "gamma": cell.gamma}
+    if cell.config.tree_width > 1:
+        options |= {"tree_width": cell.config.tree_width}
     if cell.config.ngram:
         options |= {"ngram_min": cell.config.ngram[0], "ngram_max": cell.config.ngram[1]}
         options |= {"ngram": True} if cell.draft is not None else {"draft": "ngram"}
@@ -397,6 +406,11 @@ def verdicts(cells: list[Cell]) -> str:
         line += "".join(f"; {m} {rate[m] / rate[AR]:.2f}x ar" for m in DRAFTERS.values() if m in rate)
         if fixed and AUTO in rate:
             line += f", {rate[AUTO] / fixed.rate:.2f}x the best fixed ({fixed.method})"
+        trees = [c for c in row_cells if c.config.tree_width > 1]
+        if trees:
+            tree = max(trees, key=lambda c: c.rate)
+            chain = AUTO if tree.gamma == "auto" else f"spec gamma={tree.gamma}"
+            line += f"; fastest tree {tree.method} {tree.rate / rate[chain]:.2f}x the chain ({chain})"
         line += "".join(f"; {m}{WITH_OPTIONS} {rate[m + WITH_OPTIONS] / rate[m]:.2f}x without"
                         for m in (AR, AUTO) if m + WITH_OPTIONS in rate)
         if AR + SCHEMA in rate:
@@ -432,11 +446,12 @@ def bench(*, target: str | None, draft: str | None, prompts: str, rows: int | No
           drafters: list[str], gammas: list[int], gamma_max: int, ngram_min: int, ngram_max: int,
           max_new_tokens: int, repeats: int, dtype: str, device: str, with_options: bool = False,
           samples: int = 1, out_dir: str | None = None, write_config: str | None = None,
-          json_schema: str | None = None) -> str:
+          json_schema: str | None = None, tree_widths: tuple[int, ...] = ()) -> str:
     """The markdown report of every method at every batch size on a model pair (default: the
     embedded one); out_dir: also results.csv, results.json and plots there; write_config: the
     fastest setting per batch size as --config files; json_schema: a JSON schema file, every row's
-    output constrained by it in extra cells."""
+    output constrained by it in extra cells; tree_widths: the draft's trees of these widths beside
+    its chains."""
     models = {"target": target, "draft": draft} if target is not None else {}  # for the config files
     if target is None:
         target, draft = default_target(), draft or default_draft()
@@ -445,6 +460,7 @@ def bench(*, target: str | None, draft: str | None, prompts: str, rows: int | No
     if not 1 <= ngram_min <= ngram_max:
         raise UsageError(f"need 1 <= --ngram-min <= --ngram-max, got {ngram_min} and {ngram_max}")
     gammas = gammas if "model" in drafters else []
+    tree_widths = tuple(w for w in tree_widths if w > 1) if "model" in drafters else ()
     pair = load_pair(target, draft if {"model", "hybrid"} & set(drafters) else None, dtype=dtype, device=device)
     token_ids = load_prompts(prompts, pair.tokenizer, rows or max(batch_sizes))
     schema = RowOptions(grammar=option_grammar("json_schema", json_schema, pair.tokenizer)) if json_schema else None
@@ -452,7 +468,7 @@ def bench(*, target: str | None, draft: str | None, prompts: str, rows: int | No
                         **pair.forced_tokens)
     cells = [cell for size in batch_sizes
              for cell in bench_size(pair, token_ids, size, drafters, gammas, base, (ngram_min, ngram_max), repeats,
-                                    with_options, samples, schema)]
+                                    with_options, samples, schema, tree_widths)]
     for cell in cells:
         cell.mismatches = mismatches(pair.target, cell.prompts(token_ids), cell.outputs, reference(cell, cells).outputs)
     written = []

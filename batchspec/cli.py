@@ -32,6 +32,8 @@ def load_config_file(ctx, param, path):
     unknown = sorted(set(data) - {p.name for p in ctx.command.params} - {"config"})
     if unknown:
         raise click.BadParameter(f"{path} has unknown option(s): {', '.join(unknown)}", ctx=ctx, param=param)
+    if isinstance(data.get("draft"), str):  # --draft may be given several times
+        data["draft"] = [data["draft"]]
     if isinstance(data.get("keep_fields"), list):
         data["keep_fields"] = ",".join(data["keep_fields"])
     ctx.default_map = {**(ctx.default_map or {}), **data}
@@ -118,9 +120,10 @@ def main():
         help="Output JSONL (errors, summary beside it); may hold a {shard} placeholder.")
 @option("--target", default=None,
         help="Target model: Hub id, local folder or .gguf file. Default: the embedded SmolLM2-135M-Instruct.")
-@option("--draft", default=None,
+@option("--draft", multiple=True,
         help="Draft model sharing the target's tokenizer, for --mode spec, or 'ngram': prompt lookup, no model. "
-        "Default: the embedded draft, when the target is the default.")
+        "Default: the embedded draft, when the target is the default. Given again: more draft models, each "
+        "proposing a chain, checked together as one tree (greedy only).")
 @option("--ngram/--no-ngram", default=False,
         help="With a draft model: propose by n-gram lookup for rows whose context has a match, by the model "
         "elsewhere (hybrid).")
@@ -130,6 +133,11 @@ def main():
         help="spec: draft proposes, target verifies. ar: the target alone.")
 @option("--gamma", type=Gamma(), default="auto", help=GAMMA_HELP)
 @option("--gamma-max", type=click.IntRange(1, 64), default=8, help="The most draft tokens --gamma auto proposes.")
+@option("--tree-width", type=click.IntRange(1, 64), default=1,
+        help="N > 1: the draft proposes a token tree, its N likeliest paths at every depth, verified in one target "
+        "forward (greedy only; batches of sampled requests draft a chain).")
+@option("--tree-depth", type=click.IntRange(1, 64), default=None,
+        help="The trees' fixed depth. Default: --gamma's (auto chooses 0..--gamma-max).")
 @option("--max-new-tokens", type=click.IntRange(1), default=256, help="Most tokens generated per row.")
 @option("--temperature", type=click.FloatRange(0), default=None,
         help="0 = greedy. Default: the target's generation_config (greedy unless it samples).")
@@ -214,9 +222,11 @@ def run(input, debug, print_config, **options):
     resume); 2 usage error; 1 any other failure.
     """
     keep = tuple(name.strip() for name in options.pop("keep_fields").split(",") if name.strip())
-    config = RunConfig(input=input, keep_fields=keep, **options)
+    drafts = options.pop("draft")
+    config = RunConfig(input=input, keep_fields=keep, draft=drafts[0] if drafts else None, more_drafts=drafts[1:],
+                       **options)
     if print_config:
-        click.echo(as_toml(config.options()))
+        click.echo(as_toml(config.run_options()))
         sys.exit(0)
     if config.devices and not config.dry_run:
         from batchspec.workers import run_on_devices  # the workers load the models; this process merges
@@ -250,6 +260,9 @@ def int_list(text: str, name: str) -> list[int]:
 @option("--drafters", default="model,ngram,hybrid",
         help="Comma-separated drafters run with --gamma auto: model (the draft), ngram (prompt lookup), hybrid.")
 @option("--gammas", default="1,3,5,8", help="Comma-separated fixed gammas of the draft model ('' for none).")
+@option("--tree-widths", default="",
+        help="Comma-separated tree widths: the draft's trees at each fixed gamma (as depth) and with auto, beside "
+        "its chains.")
 @option("--ngram-min", type=click.IntRange(1), default=2, help="Shortest n-gram looked up.")
 @option("--ngram-max", type=click.IntRange(1), default=4, help="Longest n-gram looked up.")
 @option("--gamma-max", type=click.IntRange(1, 64), default=8, help="The most draft tokens auto proposes.")
@@ -269,7 +282,7 @@ def int_list(text: str, name: str) -> list[int]:
 @option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", help="Model dtype.")
 @option("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
 @option("--debug", is_flag=True, default=False, help="Show tracebacks.")
-def bench(debug, batch_sizes, drafters, gammas, **options):
+def bench(debug, batch_sizes, drafters, gammas, tree_widths, **options):
     """Greedy tokens/s of spec (the draft at fixed gammas, and each drafter with auto) vs ar vs
     transformers' generate, assisted generation and prompt lookup, side by side in one process,
     with acceptance, the gammas auto chose and the speed-up the measured acceptance and step
@@ -277,12 +290,13 @@ def bench(debug, batch_sizes, drafters, gammas, **options):
     from batchspec.bench import DRAFTERS, bench as run_bench
 
     sizes, fixed = int_list(batch_sizes, "--batch-sizes"), int_list(gammas, "--gammas") if gammas else []
+    widths = tuple(int_list(tree_widths, "--tree-widths")) if tree_widths else ()
     kinds = [kind.strip() for kind in drafters.split(",") if kind.strip()]
     if not kinds or set(kinds) - set(DRAFTERS):
         raise click.BadParameter(f"expected some of {', '.join(DRAFTERS)}, got {drafters!r}", param_hint="--drafters")
 
     def job():
-        click.echo(run_bench(batch_sizes=sizes, drafters=kinds, gammas=fixed, **options))
+        click.echo(run_bench(batch_sizes=sizes, drafters=kinds, gammas=fixed, tree_widths=widths, **options))
         return 0
 
     sys.exit(guarded(job, debug))

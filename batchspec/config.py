@@ -27,12 +27,15 @@ class RunConfig:
     out: str
     target: str | None = None  # None: the embedded default pair
     draft: str | None = None  # a draft model, or "ngram": prompt lookup, no model
+    more_drafts: tuple[str, ...] = ()  # --draft again: more draft models, their chains checked as one tree
     ngram: bool = False  # with a draft model: n-gram lookup where a row has a match (hybrid)
     ngram_min: int = 2  # n-gram sizes looked up, longest first
     ngram_max: int = 4
     mode: str = "spec"  # "spec" or "ar"
     gamma: int | str = "auto"  # draft proposals per step, or "auto": chosen each step, 0..gamma_max
     gamma_max: int = 8
+    tree_width: int = 1  # > 1: the draft proposes trees this wide (greedy only; no output change)
+    tree_depth: int | None = None  # the trees' fixed depth (None: gamma's, auto or fixed)
     max_new_tokens: int = 256
     temperature: float | None = None  # None: from the target's generation_config
     top_k: int | None = None
@@ -82,6 +85,14 @@ class RunConfig:
 
     def options(self) -> dict:
         return asdict(self)
+
+    def run_options(self) -> dict:
+        """options() as `batchspec run --config` reads them back: several drafts as one list."""
+        options = self.options()
+        more = options.pop("more_drafts")
+        if more:
+            options["draft"] = [options["draft"], *more]
+        return options
 
     def fingerprint(self) -> dict:
         """What a resumed run must share with the run that started OUT."""

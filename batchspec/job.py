@@ -15,8 +15,9 @@ import batchspec
 from batchspec import shards
 from batchspec.buckets import Batch, make_encoder, plan
 from batchspec.chat import run_template_options
-from batchspec.config import RunConfig
+from batchspec.config import NGRAM, RunConfig
 from batchspec.decoding import DecodeConfig, RowOptions, resolve_sampling
+from batchspec.decoding.drafters import tree_problem
 from batchspec.decoding.engine import BatchDecoder, split
 from batchspec.decoding.grammar import Grammar, grammar_problem
 from batchspec.decoding.kv_cache import SLOT_ALIBI
@@ -50,16 +51,39 @@ def check_options(cfg: RunConfig) -> None:
         raise UsageError("--ngram drafts for --mode spec; --mode ar has no draft")
     if not 1 <= cfg.ngram_min <= cfg.ngram_max:
         raise UsageError(f"need 1 <= --ngram-min <= --ngram-max, got {cfg.ngram_min} and {cfg.ngram_max}")
-    for name in ("gamma_max", "max_new_tokens", "batch_size", "window"):
+    for name in ("gamma_max", "max_new_tokens", "batch_size", "window", "tree_width"):
         if getattr(cfg, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     if cfg.gamma != "auto" and not (isinstance(cfg.gamma, int) and 1 <= cfg.gamma):
         raise UsageError(f"--gamma must be auto or a whole number >= 1, got {cfg.gamma!r}")
+    check_tree(cfg)
     if any(not stop for stop in cfg.stop):
         raise UsageError("--stop strings must not be empty")
     if run_grammar(cfg) is not None and cfg.min_new_tokens:
         raise UsageError("--min-new-tokens cannot be combined with a structured output: the grammar decides where "
                          "the output ends")
+
+
+def check_tree(cfg: RunConfig) -> None:
+    if cfg.tree_width > 1 and (cfg.mode != "spec" or cfg.draft == NGRAM or cfg.ngram):
+        raise UsageError("--tree-width needs --mode spec with a draft model: the draft grows the trees (no n-gram "
+                         "lookup beside it)")
+    if cfg.more_drafts and (cfg.mode != "spec" or NGRAM in (cfg.draft, *cfg.more_drafts) or cfg.ngram
+                            or cfg.tree_width > 1):
+        raise UsageError("several --draft models need --mode spec, and each proposes one chain: no 'ngram', "
+                         "--ngram or --tree-width beside them")
+    if cfg.tree_depth is not None:
+        if cfg.tree_width == 1:
+            raise UsageError("--tree-depth needs --tree-width 2 or more (a chain's depth is --gamma)")
+        if cfg.gamma != "auto":
+            raise UsageError("give --gamma or --tree-depth, not both: a tree's depth is its gamma")
+        if cfg.tree_depth < 1:
+            raise UsageError("--tree-depth must be at least 1")
+
+
+def decode_gamma(cfg: RunConfig) -> int | None:
+    """The fixed gamma (a tree's depth), or None: auto."""
+    return cfg.tree_depth or (None if cfg.gamma == "auto" else cfg.gamma)
 
 
 GRAMMAR_OPTIONS = {"json_schema": "--json-schema", "regex": "--regex", "choice": "--choice", "grammar": "--grammar"}
@@ -140,7 +164,7 @@ def decode(pair, batch: Batch, config: DecodeConfig, run_options: RowOptions, sa
     options = [replace(run_options, **o) for o, k in zip(own, counts) for _ in range(k)]
     prompts = [p for p, k in zip(batch.prompts, counts) for _ in range(k)]
     row_ids = [sample_id(r.id, i) for r, k in zip(batch.rows, counts) for i in range(k)]
-    decoder = BatchDecoder(pair.target, pair.draft, prompts, row_ids, replace(config, sampling=sampling), options,
+    decoder = BatchDecoder(pair.target, pair.drafts, prompts, row_ids, replace(config, sampling=sampling), options,
                            policy, pair.tokenizer)
     while not decoder.done:
         if stop.received:
@@ -181,7 +205,7 @@ def run(cfg: RunConfig) -> int:
 def run_locked(cfg: RunConfig, paths: OutputPaths, sink: Sink, stop: StopSignals) -> int:
     if sink.resumed_rows or sink.resumed_errors:
         say(f"resuming {paths.out}: {sink.resumed_rows} rows and {sink.resumed_errors} errors already written")
-    pair = load_pair(cfg.target, cfg.draft_model, dtype=cfg.dtype, device=cfg.device)
+    pair = load_pair(cfg.target, cfg.draft_model, cfg.more_drafts, dtype=cfg.dtype, device=cfg.device)
     if cfg.mode == "spec" and pair.target.config.model_type in SLOT_ALIBI:
         kind = pair.target.config.model_type.upper()
         raise UsageError(f"{cfg.target!r} is an {kind} model, whose ALiBi counts cache slots: the holes rejected "
@@ -193,10 +217,15 @@ def run_locked(cfg: RunConfig, paths: OutputPaths, sink: Sink, stop: StopSignals
     make_record = record_maker(cfg, pair.tokenizer)
     sampling = resolve_sampling(pair.target.generation_config, temperature=cfg.temperature, top_k=cfg.top_k,
                                 top_p=cfg.top_p, min_p=cfg.min_p)
+    if cfg.tree_width > 1 or cfg.more_drafts:
+        problem = tree_problem([pair.target, *pair.drafts])
+        if problem or not sampling.greedy:
+            raise UsageError(problem or "trees (--tree-width, several --draft) verify greedily only (lossless sampling "
+                             "from several drafts is not built): use --temperature 0, or one draft's chain")
     config = DecodeConfig(max_new_tokens=cfg.max_new_tokens, eos_token_ids=pair.eos_token_ids, sampling=sampling,
-                          gamma=None if cfg.gamma == "auto" else cfg.gamma, gamma_max=cfg.gamma_max, seed=cfg.seed,
-                          ngram=cfg.ngram_sizes, **pair.forced_tokens)
-    policy = config.policy()
+                          gamma=decode_gamma(cfg), gamma_max=cfg.gamma_max, seed=cfg.seed, ngram=cfg.ngram_sizes,
+                          tree_width=cfg.tree_width, **pair.forced_tokens)
+    policy = config.policy(trees=cfg.tree_width > 1 or bool(cfg.more_drafts))
     run_options = run_row_options(cfg, len(pair.tokenizer), pair.target.generation_config)
     encode = encoder(cfg, pair.tokenizer, pair.context_length, run_options)
     stats = RunStats()
@@ -242,6 +271,7 @@ def run_locked(cfg: RunConfig, paths: OutputPaths, sink: Sink, stop: StopSignals
         "models": {
             "target": cfg.target,
             "draft": cfg.draft_model,
+            "more_drafts": list(cfg.more_drafts),
             "ngram": cfg.ngram_sizes,
             "dtype": str(pair.target.dtype).removeprefix("torch."),
             "device": str(pair.target.device),
@@ -269,7 +299,9 @@ def print_summary(summary: dict, paths: OutputPaths, interrupted: bool) -> None:
         f"  tokens     {summary['completion_tokens']} generated in {summary['seconds']:.1f}s "
         f"({summary['tokens_per_s']:.1f} tok/s)",
         f"  acceptance {rate:.3f} (proposals: {summary['model_steps']} row-steps from the model, "
-        f"{summary['ngram_steps']} from n-gram lookup, {summary['jump_steps']} jump-forward)" if rate is not None
+        f"{summary['ngram_steps']} from n-gram lookup, {summary['jump_steps']} jump-forward"
+        + (f"; {summary['tree_steps']} trees of {summary['tree_nodes'] / summary['tree_steps']:.1f} nodes"
+           if summary["tree_steps"] else "") + ")" if rate is not None
         else "  acceptance n/a (no proposals)",
         f"  padding    {summary['padding_fraction']:.3f} of prompt slots, "
         f"{summary['wasted_cache_fraction']:.3f} of cache slots wasted",
@@ -285,7 +317,7 @@ def dry_run(cfg: RunConfig) -> int:
     """Check the input, count rows and errors and show the batches, loading no weights."""
     tokenizer = load_tokenizer(cfg.target)
     record_maker(cfg, tokenizer)  # refuses --keep-fields that clash with the output's own
-    specs = [cfg.target] + ([cfg.draft_model] if cfg.draft_model else [])
+    specs = [cfg.target] + ([cfg.draft_model, *cfg.more_drafts] if cfg.draft_model else [])
     contexts = [n for n in (context_length(load_config(spec)) for spec in specs) if n is not None]
     encode = encoder(cfg, tokenizer, min(contexts, default=None), run_row_options(cfg, len(tokenizer), None))
     errors, lengths, batch_sizes = Counter(), Counter(), Counter()

@@ -7,7 +7,7 @@ import hashlib
 import os
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -205,6 +205,12 @@ class ModelPair:
     target: object
     draft: object | None
     tokenizer: object
+    more_drafts: list = field(default_factory=list)  # draft models beside the first
+
+    @property
+    def drafts(self) -> list:
+        """Every draft model, the first first."""
+        return [self.draft, *self.more_drafts] if self.draft is not None else []
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -219,21 +225,24 @@ class ModelPair:
     @property
     def context_length(self) -> int | None:
         """The longest sequence both models can take (a draft may have the shorter context)."""
-        lengths = [context_length(m.config) for m in (self.target, self.draft) if m is not None]
+        lengths = [context_length(m.config) for m in (self.target, *self.drafts)]
         return min((n for n in lengths if n is not None), default=None)
 
 
-def load_pair(target: str, draft: str | None = None, *, dtype: str = "auto", device: str = "auto") -> ModelPair:
-    """Load the target, its tokenizer and (optionally) a draft sharing that tokenizer."""
+def load_pair(target: str, draft: str | None = None, more_drafts: tuple[str, ...] = (), *, dtype: str = "auto",
+              device: str = "auto") -> ModelPair:
+    """Load the target, its tokenizer and (optionally) a draft, or several, sharing that tokenizer."""
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     tokenizer = load_tokenizer(target)
-    if draft is not None:
-        check_same_tokenizer(tokenizer, load_tokenizer(draft))
+    specs = [draft, *more_drafts] if draft is not None else []
+    for spec in specs:
+        check_same_tokenizer(tokenizer, load_tokenizer(spec))
     target_model = load_model(target, torch_dtype, torch_device)
-    draft_model = load_model(draft, torch_dtype, torch_device) if draft is not None else None
-    check_seq2seq(target_model, draft_model, target)
-    return ModelPair(target_model, draft_model, tokenizer)
+    drafts = [load_model(spec, torch_dtype, torch_device) for spec in specs]
+    for draft_model in drafts or [None]:
+        check_seq2seq(target_model, draft_model, target)
+    return ModelPair(target_model, drafts[0] if drafts else None, tokenizer, drafts[1:])
 
 
 def check_seq2seq(target, draft, spec: str) -> None:

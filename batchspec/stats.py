@@ -25,6 +25,9 @@ class RunStats:
     model_steps: int = 0  # row-steps whose proposal came from the draft model
     ngram_steps: int = 0  # row-steps whose proposal came from n-gram lookup
     jump_steps: int = 0  # row-steps whose proposal was a grammar's forced text (jump-forward)
+    tree_steps: int = 0  # row-steps whose proposal was a token tree (--tree-width)
+    tree_nodes: int = 0  # their trees' nodes
+    branches: list[int] = field(default_factory=list)  # tree steps per beam rank of the accepted path's end
     pad_slots: int = 0
     prompt_slots: int = 0
     empty_cache_slots: int = 0
@@ -52,6 +55,9 @@ class RunStats:
             self.model_steps += s["model_steps"]
             self.ngram_steps += s["ngram_steps"]
             self.jump_steps += s["jump_steps"]
+            self.tree_steps += s.get("tree_steps", 0)
+            self.tree_nodes += s.get("tree_nodes", 0)
+            self.branches = add_up(self.branches, s.get("tree_branch_histogram", []))
             self.histogram = add_up(self.histogram, s["accepted_length_histogram"])
             self.gammas = add_up(self.gammas, s["gamma_histogram"])
 
@@ -85,6 +91,9 @@ class RunStats:
             "model_steps": self.model_steps,
             "ngram_steps": self.ngram_steps,
             "jump_steps": self.jump_steps,
+            "tree_steps": self.tree_steps,
+            "tree_nodes": self.tree_nodes,
+            "tree_branch_histogram": self.branches,
             "accepted_length_histogram": self.histogram,
             "gamma_histogram": self.gammas,
             "padding_fraction": self.pad_slots / self.prompt_slots if self.prompt_slots else 0.0,

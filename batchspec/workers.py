@@ -126,7 +126,7 @@ def run_on_devices(cfg: RunConfig) -> int:
         folder.mkdir(parents=True, exist_ok=True)
         shared = replace(cfg, out=template, num_shards=len(devices), devices=None, device="auto", overwrite=False,
                          progress=False)
-        config_file.write_text(as_toml(shared.options()) + "\n")
+        config_file.write_text(as_toml(shared.run_options()) + "\n")
         env = worker_env(devices)
         workers = [Worker(i, device, config_file, shared, env) for i, device in enumerate(devices)]
         say(f"started {len(workers)} workers ({', '.join(devices)}); their logs: {folder}/part-*.log")

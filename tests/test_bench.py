@@ -29,17 +29,19 @@ def test_bench_table(tiny_pair, tmp_path):
     report = bench(target=str(target), draft=str(draft), prompts=str(PLAIN_PROMPTS), rows=3, batch_sizes=[1, 3],
                    drafters=["model", "ngram", "hybrid"], gammas=[2], gamma_max=3, ngram_min=1, ngram_max=3,
                    max_new_tokens=8, repeats=1, dtype="float32", device="cpu", with_options=True, samples=3,
-                   json_schema=str(schema))
+                   json_schema=str(schema), tree_widths=(2,))
     lines = report.splitlines()
     assert "3 prompts" in lines[2]
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines
             if line.startswith("| ") and not line.startswith("| batch")]
     assert [r[:2] for r in rows] == [
         ["1", "hf generate"], ["1", "hf assisted"], ["1", "hf prompt lookup"], ["1", "ar"], ["1", "spec gamma=2"],
-        ["1", "spec auto"], ["1", "ngram auto"], ["1", "hybrid auto"], ["1", "ar + options"],
+        ["1", "spec tree w=2 gamma=2"], ["1", "spec tree w=2 auto"], ["1", "spec auto"], ["1", "ngram auto"],
+        ["1", "hybrid auto"], ["1", "ar + options"],
         ["1", "spec auto + options"], ["1", "ar + schema"], ["1", "spec auto + schema"],
         ["1", "spec auto + schema, no jump"], ["1", "ar x3 copies"], ["1", "ar n=3"],
-        ["3", "hf generate"], ["3", "ar"], ["3", "spec gamma=2"], ["3", "spec auto"], ["3", "ngram auto"],
+        ["3", "hf generate"], ["3", "ar"], ["3", "spec gamma=2"], ["3", "spec tree w=2 gamma=2"],
+        ["3", "spec tree w=2 auto"], ["3", "spec auto"], ["3", "ngram auto"],
         ["3", "hybrid auto"], ["3", "ar + options"], ["3", "spec auto + options"], ["3", "ar + schema"],
         ["3", "spec auto + schema"], ["3", "spec auto + schema, no jump"], ["3", "ar x3 copies"], ["3", "ar n=3"],
     ]  # assisted generation and prompt lookup take one row at a time
@@ -61,6 +63,8 @@ def test_bench_table(tiny_pair, tmp_path):
     verdicts = [line for line in lines if line.startswith("batch ")]
     assert [v.split(":")[0] for v in verdicts] == ["batch 1", "batch 3"]
     assert all("best fixed (spec gamma=2)" in v and "ngram auto" in v and "hybrid auto" in v for v in verdicts)
+    assert all(re.search(r"fastest tree spec tree w=2 (auto|gamma=2) [\d.]+x the chain \(spec (auto|gamma=2)\)", v)
+               for v in verdicts)
     assert all("ar + options" in v and "spec auto + options" in v and "ar n=3 " in v and "x 3 copies" in v
                for v in verdicts)
     assert all(re.search(r"ar \+ schema [\d.]+x ar \(masks \d+ us/token\), spec auto \+ schema [\d.]+x it, "

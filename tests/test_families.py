@@ -1,11 +1,15 @@
-"""More architectures: greedy spec and ar equal the target alone on tiny random models.
+"""More architectures: greedy spec (chains and trees) and ar equal the target alone on tiny
+random models.
 
 Where an architecture has sliding-window layers, the window (12) is far shorter than the rows.
 """
 
+from dataclasses import replace
+
 import pytest
 
 from batchspec.decoding import DecodeConfig, decode_batch
+from batchspec.decoding.kv_cache import uses_alibi
 from batchspec.models import load_pair
 
 from test_greedy import LENGTHS, random_prompts, reference
@@ -26,6 +30,11 @@ def test_spec_and_ar_equal_target_alone(family, tiny_pair):
     prompts = random_prompts(len(pair.tokenizer), LENGTHS[:9])
     expected = [reference(pair.target, p, pair.eos_token_ids, MAX_NEW) for p in prompts]
     config = DecodeConfig(max_new_tokens=MAX_NEW, eos_token_ids=pair.eos_token_ids, gamma=4)
-    for draft in (pair.draft, None):
-        out = decode_batch(pair.target, draft, prompts, list(range(len(prompts))), config)
+    for draft, width in ((pair.draft, 1), (None, 1), (pair.draft, 3)):
+        tree = replace(config, tree_width=width)
+        if width > 1 and uses_alibi(pair.target.config):  # its biases come from a 2D mask: no tree mask
+            with pytest.raises(ValueError, match="ALiBi"):
+                decode_batch(pair.target, draft, prompts, list(range(len(prompts))), tree)
+            continue
+        out = decode_batch(pair.target, draft, prompts, list(range(len(prompts))), tree)
         assert [r.token_ids for r in out.rows] == expected

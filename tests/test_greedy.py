@@ -12,6 +12,7 @@ from transformers import GenerationConfig
 
 from batchspec.decoding import DecodeConfig, RowOptions, decode_batch
 from batchspec.models import load_pair
+from batchspec.tiny import perturbed
 
 from policies import Scripted
 
@@ -69,7 +70,7 @@ SWITCHING = [0, 2, 0, 0, 5, 1, 3, 0, 8]  # plain and speculative steps mixed ins
 
 def decode(pair, draft, prompts, gamma=3, **kwargs):
     """gamma: a fixed gamma, "auto", or "switching" (the SWITCHING script, cycled)."""
-    policy = Scripted(SWITCHING, gamma_max=8) if gamma == "switching" else None
+    policy = Scripted(SWITCHING, gamma_max=8, trees=kwargs.get("tree_width", 1) > 1) if gamma == "switching" else None
     fixed = gamma if isinstance(gamma, int) else None
     config = DecodeConfig(max_new_tokens=MAX_NEW, eos_token_ids=pair.eos_token_ids, gamma=fixed, **kwargs)
     return decode_batch(pair.target, draft, prompts, list(range(len(prompts))), config, policy=policy)
@@ -87,6 +88,40 @@ def test_spec_greedy_equals_target_alone(case, gamma):
     if gamma != "auto":  # auto may find plain steps cheapest for these tiny models
         rates = [r.stats["acceptance_rate"] for r in out.rows if r.stats["draft_tokens"]]
         assert 0 < sum(rates) / len(rates) < 1  # the noisy draft agrees often, not always
+
+
+@pytest.mark.parametrize("width,gamma", [(2, 1), (2, 3), (4, 4), (3, "switching")])
+def test_tree_greedy_equals_target_alone(case, width, gamma):
+    """The draft's trees (its `width` likeliest paths at every depth) verified in one tree-masked
+    forward: every row equals the target alone, and paths other than the draft's likeliest win."""
+    family, pair, prompts, expected = case
+    out = decode(pair, pair.draft, prompts, gamma, tree_width=width)
+    assert [r.token_ids for r in out.rows] == expected
+    stats = [r.stats for r in out.rows]
+    depths = sum(d * steps for s in stats for d, steps in enumerate(s["gamma_histogram"]))
+    assert sum(s["tree_nodes"] for s in stats) == width * depths  # every speculative step a full tree
+    assert sum(s["tree_steps"] for s in stats) == sum(s["model_steps"] for s in stats) > 0
+    branches = [sum(column) for column in zip(*(s["tree_branch_histogram"] for s in stats))]
+    assert branches[0] and sum(branches[1:])  # the draft's likeliest path won, and others did
+    assert 0 < sum(s["accepted_tokens"] for s in stats) < sum(s["draft_tokens"] for s in stats)
+
+
+@pytest.mark.parametrize("gamma", [3, "auto", "switching"])
+def test_several_drafts_equal_target_alone(case, gamma):
+    """Two drafts (the pair's and another as noisy), each proposing its chain, checked as one tree."""
+    family, pair, prompts, expected = case
+    other = perturbed(pair.target, 0.03, seed=9)
+    policy = Scripted(SWITCHING, gamma_max=8, trees=True) if gamma == "switching" else None
+    config = DecodeConfig(max_new_tokens=MAX_NEW, eos_token_ids=pair.eos_token_ids,
+                          gamma=gamma if isinstance(gamma, int) else None)
+    out = decode_batch(pair.target, [pair.draft, other], prompts, list(range(len(prompts))), config, policy=policy)
+    assert [r.token_ids for r in out.rows] == expected
+    stats = [r.stats for r in out.rows]
+    assert all(len(s["tree_branch_histogram"]) == 2 for s in stats)  # per draft: whose chain the path ended on
+    if gamma != "auto":  # auto may find plain steps cheapest for these tiny models
+        assert all(s["tree_steps"] == s["model_steps"] for s in stats) and sum(s["tree_steps"] for s in stats)
+        depths = sum(d * steps for s in stats for d, steps in enumerate(s["gamma_histogram"]))
+        assert sum(s["tree_nodes"] for s in stats) == 2 * depths  # a chain of the step's gamma from each
 
 
 LOOKUP = (1, 3)  # n-gram sizes for the lookup tests: short matches, so many proposals are wrong
@@ -187,8 +222,8 @@ def test_sliding_window_counts_true_positions(tiny_pair, family):
     pair = load_pair(str(target_path), str(draft_path), dtype="float32", device="cpu")
     prompts = random_prompts(len(pair.tokenizer), LENGTHS)
     expected = [reference(pair.target, p, pair.eos_token_ids) for p in prompts]
-    for draft, compact_at in [(pair.draft, 0.3), (pair.draft, 0.0), (None, 0.3)]:
-        out = decode(pair, draft, prompts, gamma=4, compact_at=compact_at)
+    for draft, compact_at, width in [(pair.draft, 0.3, 1), (pair.draft, 0.0, 1), (None, 0.3, 1), (pair.draft, 0.3, 3)]:
+        out = decode(pair, draft, prompts, gamma=4, compact_at=compact_at, tree_width=width)
         assert [r.token_ids for r in out.rows] == expected
     rates = [r.stats["acceptance_rate"] for r in decode(pair, pair.draft, prompts, gamma=4).rows]
     assert 0 < sum(rates) / len(rates) < 1  # rejections: rollback holes inside the windows

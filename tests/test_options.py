@@ -13,7 +13,8 @@ from batchspec.models import load_pair
 
 MAX_NEW = 32
 LENGTHS = [5, 40, 1, 17, 9, 60, 3, 25]
-DRAFTERS = {"model": dict(gamma=3), "hybrid": dict(gamma=None, ngram=(1, 3)), "ngram": dict(gamma=4, ngram=(1, 3))}
+DRAFTERS = {"model": dict(gamma=3), "hybrid": dict(gamma=None, ngram=(1, 3)), "ngram": dict(gamma=4, ngram=(1, 3)),
+            "tree": dict(gamma=3, tree_width=3)}  # tree: each slot processed after its own ancestors
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2"])
@@ -39,7 +40,7 @@ def run(pair, prompts, options, drafter="model", draft=None, **config):
     """decode_batch greedy; drafter: a DRAFTERS key or "ar"; config: more DecodeConfig fields."""
     settings = DRAFTERS.get(drafter, {}) | config
     config = DecodeConfig(max_new_tokens=MAX_NEW, eos_token_ids=pair.eos_token_ids, **settings)
-    draft = draft or (pair.draft if drafter in ("model", "hybrid") else None)
+    draft = draft or (pair.draft if drafter in ("model", "hybrid", "tree") else None)
     return decode_batch(pair.target, draft, prompts, list(range(len(prompts))), config, options,
                         tokenizer=pair.tokenizer)
 
@@ -76,7 +77,10 @@ def processed(pair, prompts, plain):
 @pytest.mark.parametrize("drafter", ["ar", *DRAFTERS])
 def test_processed_rows_equal_the_target_alone(pair, prompts, plain, processed, drafter):
     options, expected = processed
-    out = [r.token_ids for r in run(pair, prompts, options, drafter).rows]
+    rows = run(pair, prompts, options, drafter).rows
+    out = [r.token_ids for r in rows]
+    if drafter == "tree":
+        assert all(r.stats["tree_steps"] for r in rows)
     for b, want in enumerate(expected):
         if want is not None:
             assert out[b] == want, b
@@ -92,7 +96,7 @@ def stop_cut(pair, tokens: list[int], stop: str) -> int | None:
                  if stop in pair.tokenizer.decode(tokens[:j], skip_special_tokens=True)), None)
 
 
-@pytest.mark.parametrize("drafter", ["ar", "model", "self", "ngram", "hybrid"])
+@pytest.mark.parametrize("drafter", ["ar", "model", "self", "ngram", "hybrid", "tree"])
 def test_stop_strings_end_rows_where_the_text_first_holds_one(pair, prompts, plain, drafter):
     """Stop strings spanning tokens, several per row, kept (include) or not; "self": the target
     drafts for itself, so every stop completes inside a fully accepted block."""

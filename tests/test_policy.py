@@ -114,6 +114,35 @@ def test_a_probe_waits_longer_while_the_draft_must_first_catch_up():
     assert plain_steps_before_a_probe(100) == pytest.approx(450, abs=2)
 
 
+def goodput(alphas: dict[bool, float], costs: dict, tree: bool, gamma: int) -> float:
+    """E(alpha, gamma) / T(gamma) of a chain (tree False) or a tree."""
+    alpha = alphas[tree]
+    return (1 - alpha ** (gamma + 1)) / (1 - alpha) / costs[tree](gamma)
+
+
+@pytest.mark.parametrize("alphas, tree_cost, best", [
+    ({False: 0.5, True: 0.85}, lambda g: 1.0 + 0.15 * g, (True, 4)),  # trees accept far more, cost a little more
+    ({False: 0.6, True: 0.7}, lambda g: 1.0 + 0.6 * g, (False, 3)),  # their wide verify costs more than they bring
+])
+def test_trees_are_tried_and_kept_only_where_they_pay(alphas, tree_cost, best):
+    """Chains and trees of the same draft, each with its own acceptance and step costs: auto
+    tries trees (priced as chains until timed) and settles on the best of both by the formula."""
+    costs = {False: lambda g: 1.0 + 0.1 * g, True: tree_cost}
+    rate = lambda arm: goodput(alphas, costs, *arm)  # noqa: E731
+    assert max([(False, g) for g in range(5)] + [(True, g) for g in range(1, 5)], key=rate) == best
+    policy, rng, chosen = GammaPolicy(gamma_max=4, trees=True), random.Random(0), []
+    for _ in range(600):
+        gamma = policy.choose(ROWS, None)
+        tree = policy.tree and gamma > 0
+        n = [next((k for k in range(gamma) if rng.random() >= alphas[tree]), gamma) for _ in range(ROWS)]
+        policy.observe(ROWS, gamma, sum(n), sum(min(k + 1, gamma) for k in n), costs[tree](gamma), tree=tree)
+        chosen.append((tree, gamma))
+    assert any(tree for tree, _ in chosen[:50])  # trees were tried early
+    late = chosen[-200:]
+    assert sum(tree == best[0] for tree, _ in late) > 190  # trees kept, or dropped
+    assert sum(map(rate, late)) / len(late) > 0.97 * rate(best)  # at about the best gamma (the optimum is flat)
+
+
 def test_a_fixed_gamma_is_always_chosen():
     policy = GammaPolicy(gamma_max=5, fixed=5)
     assert not policy.auto and simulate(policy, lambda step: 0.0, lambda g: 1.0 + g, steps=20) == [5] * 20

@@ -6,6 +6,7 @@ import torch
 from batchspec.decoding import DecodeConfig
 from batchspec.decoding.engine import BatchDecoder
 from batchspec.models import load_pair
+from batchspec.tiny import perturbed
 
 from policies import Scripted
 
@@ -28,9 +29,11 @@ def fresh_next_logits(model, sequence):
 CASES = {"llama": {}, "qwen2": {}, "gpt2": {}, "mistral": {"window": 12}, "gemma2": {"window": 12, "noise": 0.1}}
 
 
-def assert_caches_hold_accepted_prefixes(decoder, pair, prompts, drafter) -> None:
+def assert_caches_hold_accepted_prefixes(decoder, pair, prompts, drafter, draft=None) -> None:
     """The target's and the draft's caches, fed each row's newest token (the draft first what it
-    owes), give the logits of a clean forward over the row's whole sequence."""
+    owes), give the logits of a clean forward over the row's whole sequence. draft: the
+    drafter's model (default: the pair's)."""
+    draft = draft or pair.draft
     rows = decoder.rows
     drafter.catch_up()  # what plain steps left on the host
     ones = torch.ones_like(rows.last)[:, None]
@@ -40,23 +43,28 @@ def assert_caches_hold_accepted_prefixes(decoder, pair, prompts, drafter) -> Non
     for b, tally in enumerate(decoder.tallies):
         sequence = prompts[tally.index] + tally.tokens
         torch.testing.assert_close(target_logits[b], fresh_next_logits(pair.target, sequence), atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(draft_logits[b], fresh_next_logits(pair.draft, sequence), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(draft_logits[b], fresh_next_logits(draft, sequence), atol=1e-4, rtol=1e-4)
     assert decoder.target_kv.mask.shape == (len(decoder.tallies), decoder.target_kv.length)
+
+
+SWITCHING = [0, 0, 3, 0, 4, 1, 0, 0, 0, 2]
 
 
 @pytest.mark.parametrize("family,kwargs", CASES.items(), ids=CASES)
 @pytest.mark.parametrize("compact_at", [0.0, 1.0])
-@pytest.mark.parametrize("gammas", [[4], [0, 0, 3, 0, 4, 1, 0, 0, 0, 2]], ids=["fixed", "switching"])
+@pytest.mark.parametrize("gammas,width", [([4], 1), (SWITCHING, 1), ([3], 3), (SWITCHING, 2)],
+                         ids=["fixed", "switching", "tree", "tree-switching"])
 @torch.inference_mode()
-def test_caches_hold_each_rows_accepted_prefix(tiny_pair, family, kwargs, compact_at, gammas):
+def test_caches_hold_each_rows_accepted_prefix(tiny_pair, family, kwargs, compact_at, gammas, width):
     """After every step, fixed gamma or switching between plain steps (the draft falls behind)
-    and speculative ones (it catches up in its first forward)."""
+    and speculative ones (it catches up in its first forward); chains, and trees whose accepted
+    path the caches keep, in order, of all the tree's slots."""
     target_path, draft_path = tiny_pair(family, **kwargs)
     pair = load_pair(str(target_path), str(draft_path), dtype="float32", device="cpu")
     prompts = random_prompts(len(pair.tokenizer), LENGTHS[:10], seed=3)
-    config = DecodeConfig(max_new_tokens=30, gamma_max=4, compact_at=compact_at)
+    config = DecodeConfig(max_new_tokens=30, gamma_max=4, compact_at=compact_at, tree_width=width)
     decoder = BatchDecoder(pair.target, pair.draft, prompts, list(range(len(prompts))), config,
-                           policy=Scripted(gammas, gamma_max=4))
+                           policy=Scripted(gammas, gamma_max=4, trees=width > 1))
     owed, behind = set(), set()
     for _ in range(len(gammas) if len(gammas) > 1 else 6):
         behind.add(decoder.drafter.behind)
@@ -67,6 +75,30 @@ def test_caches_hold_each_rows_accepted_prefix(tiny_pair, family, kwargs, compac
     assert max(behind) > (1 if len(gammas) > 1 else 0)  # switching: the draft caught up on several tokens
     if compact_at == 0.0:
         assert decoder.totals["compactions"] > 0
+
+
+@pytest.mark.parametrize("family,kwargs", [("llama", {}), ("gemma2", CASES["gemma2"])], ids=["llama", "gemma2"])
+@pytest.mark.parametrize("compact_at", [0.0, 1.0])
+@torch.inference_mode()
+def test_several_drafts_caches_hold_each_rows_accepted_prefix(tiny_pair, family, kwargs, compact_at):
+    """Two drafts whose chains are checked as one tree, plain and chain steps (the first draft
+    alone) between: after every step each draft holds the part of the accepted path it ran and
+    owes the rest."""
+    target_path, draft_path = tiny_pair(family, **kwargs)
+    pair = load_pair(str(target_path), str(draft_path), dtype="float32", device="cpu")
+    other = perturbed(pair.target, 0.08, seed=9)
+    prompts = random_prompts(len(pair.tokenizer), LENGTHS[:10], seed=3)
+    config = DecodeConfig(max_new_tokens=30, gamma_max=4, compact_at=compact_at)
+    policy = Scripted(SWITCHING, gamma_max=4, trees=True)
+    decoder = BatchDecoder(pair.target, [pair.draft, other], prompts, list(range(len(prompts))), config,
+                           policy=policy)
+    for step in range(len(SWITCHING) + 2):
+        policy.tree = step % 4 != 1  # a chain step of the first draft now and then
+        decoder.step()
+        for drafter, model in zip(decoder.drafter.drafters, [pair.draft, other]):
+            assert_caches_hold_accepted_prefixes(decoder, pair, prompts, drafter, model)
+    branches = [sum(c) for c in zip(*(t.branches for t in decoder.tallies))]
+    assert all(branches)  # each draft's chain won somewhere
 
 
 @pytest.mark.parametrize("family,kwargs", [("llama", {}), ("gemma2", CASES["gemma2"])], ids=["llama", "gemma2"])

@@ -46,7 +46,7 @@ class OpReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-MODES = ["auto", "switching", "ar", "ngram", "hybrid", "options"]
+MODES = ["auto", "switching", "ar", "ngram", "hybrid", "options", "tree"]  # tree: with options
 CASES = [(family, mode) for family in ("llama", "mistral") for mode in MODES] + [
     ("bart", mode) for mode in ("switching", "hybrid", "options")]  # an encoder–decoder, forced EOS
 
@@ -59,11 +59,12 @@ def test_every_step_reads_the_device_once(tiny_pair, family, mode, temperature):
     prompts = random_prompts(len(pair.tokenizer), [3, 17, 1, 9])
     config = DecodeConfig(max_new_tokens=12, eos_token_ids=pair.eos_token_ids, gamma_max=4, compact_at=1.0,
                           sampling=SamplingParams(temperature=temperature),
-                          ngram=(1, 3) if mode in ("ngram", "hybrid") else None)
-    policy = Scripted([0, 3, 0, 0, 4, 1], gamma_max=4) if mode in ("switching", "ngram", "hybrid", "options") else None
-    draft = pair.draft if mode in ("auto", "switching", "hybrid", "options") else None
+                          ngram=(1, 3) if mode in ("ngram", "hybrid") else None, tree_width=3 if mode == "tree" else 1)
+    scripted = mode in ("switching", "ngram", "hybrid", "options", "tree")
+    policy = Scripted([0, 3, 0, 0, 4, 1], gamma_max=4, trees=mode == "tree") if scripted else None
+    draft = pair.draft if mode in ("auto", "switching", "hybrid", "options", "tree") else None
     options = [RowOptions(max_new_tokens=k) for k in (12, 5, 9, 2)]  # rows finish at different steps
-    if mode == "options":  # stop strings (rows end on the host), logprobs, processing
+    if mode in ("options", "tree"):  # stop strings (rows end on the host), logprobs, processing
         options = [replace(o, stop=("e", "zz") if b else (), logprobs=2, repetition_penalty=1.2, frequency_penalty=0.5,
                            min_tokens=1, logit_bias={5: 1.0}) for b, o in enumerate(options)]
     decoder = BatchDecoder(pair.target, draft, prompts, list(range(4)), config, options, policy, pair.tokenizer)

@@ -10,7 +10,9 @@ Each step, for B live rows:
               proposes; a row proposing fewer pads its slots, which are never accepted).
   3. verify:  the target scores [last, d_1..d_G] in ONE forward: logits [B, G+1, V], processed
               (penalties, bias, min_tokens, a grammar's mask) at each position as if the
-              proposals before it had been emitted; the draft's q is processed alike.
+              proposals before it had been emitted; the draft's q is processed alike. A tree
+              of proposals (tree.py) is scored in one forward too, and comes back as each
+              row's accepted path: from there on the step reads as for a chain.
   4. accept:  each row keeps n of its proposals plus one correction or bonus token.
   5. emit:    stop inside the kept block at an EOS or stop id, at max_new_tokens, or (on the
               host) where a stop string completes.
@@ -27,11 +29,11 @@ before the next position's mask.
 
 import hashlib
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from batchspec.decoding.drafters import JumpDrafter, Proposal, make_drafter
+from batchspec.decoding.drafters import JumpDrafter, Proposal, make_drafter, tree_problem
 from batchspec.decoding.drafters.proposal import on_device
 from batchspec.decoding.grammar import GrammarRows
 from batchspec.decoding.kv_cache import BatchKV, padded
@@ -41,6 +43,7 @@ from batchspec.decoding.processors import Processors
 from batchspec.decoding.sampling import SamplingParams, accept_greedy, accept_sampled, probabilities
 from batchspec.decoding.seq2seq import decoder_prefix, model_cache
 from batchspec.decoding.stopping import StopStrings
+from batchspec.decoding.tree import accept_tree_greedy, tree_ancestors
 
 DRAFT, ACCEPT, NEXT = 0, 1, 2  # uniform streams: draft draws, accept tests, correction/bonus draws
 
@@ -53,6 +56,7 @@ class DecodeConfig:
     gamma: int | None = None  # draft proposals per step; None: auto (0..gamma_max, chosen each step)
     gamma_max: int = 8  # the most proposals auto may choose
     ngram: tuple[int, int] | None = None  # (n_min, n_max): prompt lookup drafting (with a draft model: hybrid)
+    tree_width: int = 1  # > 1: the draft model proposes trees this wide (greedy batches without a grammar)
     seed: int = 0
     compact_at: float = 0.3  # compact the caches when this fraction of slots are pads or holes
     share_prefill: bool = True  # prefill a prompt that several rows hold once (off: bench's baseline for n)
@@ -69,10 +73,16 @@ class DecodeConfig:
             raise ValueError(f"gamma_max must be >= 1, got {self.gamma_max}")
         if self.ngram is not None and not 1 <= self.ngram[0] <= self.ngram[1]:
             raise ValueError(f"ngram sizes need 1 <= n_min <= n_max, got {self.ngram}")
+        if self.tree_width < 1:
+            raise ValueError(f"tree_width must be >= 1, got {self.tree_width}")
+        if self.tree_width > 1 and self.ngram is not None:
+            raise ValueError("a tree is drafted by the draft model alone: no n-gram lookup beside it")
 
-    def policy(self) -> GammaPolicy:
-        """A fresh gamma policy for these settings (a job shares one across its batches)."""
-        return GammaPolicy(self.gamma or self.gamma_max, fixed=self.gamma)
+    def policy(self, trees: bool | None = None) -> GammaPolicy:
+        """A fresh gamma policy for these settings (a job shares one across its batches); trees:
+        whether steps may propose trees (default: with a tree width; several drafts do too)."""
+        trees = self.tree_width > 1 if trees is None else trees
+        return GammaPolicy(self.gamma or self.gamma_max, fixed=self.gamma, trees=trees)
 
 
 @dataclass
@@ -123,6 +133,7 @@ class Tally:
 
     index: int  # position of the row in the caller's prompt list
     gamma_max: int
+    tree_width: int  # a tree's nodes per depth (its width, or the number of drafts); 1: chains only
     limit: int  # the row's max_new_tokens
     stop: StopStrings | None = None  # the row's stop strings
     top_logprobs: int | None = None  # None: no logprobs; k: keep each token's and the top k
@@ -140,9 +151,13 @@ class Tally:
     proposed_steps: list[int] = field(default_factory=list)  # per step: proposals (0: a plain step)
     accepted_steps: list[int] = field(default_factory=list)  # per step: proposals accepted
     seen: tuple[float, float] = (0.0, 0.0)  # decayed accepted and checked proposals: the row's alpha (auto)
+    tree_steps: int = 0  # speculative steps whose proposal was a tree
+    tree_nodes: int = 0  # the trees' nodes, summed
+    branches: list[int] = field(init=False)  # tree steps per rank in its depth of the accepted path's end
 
     def __post_init__(self):
         self.histogram, self.gammas = [0] * (self.gamma_max + 1), [0] * (self.gamma_max + 1)
+        self.branches = [0] * self.tree_width
 
     def cut_at_stop(self, tokens: list[int]) -> list[int]:
         """The tokens up to the one that completes a stop string (all of them when none does)."""
@@ -153,10 +168,16 @@ class Tally:
         return tokens
 
     def add_step(self, proposed: int, source: str | None, n: int, draft_forwards: int, tokens: list[int],
-                 logprobs: list) -> None:
-        """A step in which the row had `proposed` proposals from `source`, accepted n and gained
-        `tokens` (a block cut short keeps only the accepted proposals in it), with their logprobs;
-        the draft model ran draft_forwards times."""
+                 logprobs: list, tree: tuple[int, int] | None = None) -> None:
+        """A step in which the row had `proposed` proposals from `source` (a tree's: its depth),
+        accepted n and gained `tokens` (a block cut short keeps only the accepted proposals in
+        it), with their logprobs; the draft model ran draft_forwards times. tree: (its nodes, the
+        rank in its depth of the accepted path's deepest node: its beam rank, or its draft among
+        several) when the proposal was a tree."""
+        if tree:
+            self.tree_steps += 1
+            self.tree_nodes += tree[0]
+            self.branches[tree[1]] += n > 0
         n = min(n, len(tokens))
         self.tokens += tokens
         self.logprobs += logprobs
@@ -187,6 +208,8 @@ class Tally:
             "model_steps": self.sources["model"],
             "ngram_steps": self.sources["ngram"],
             "jump_steps": self.sources["jump"],
+            **({"tree_steps": self.tree_steps, "tree_nodes": self.tree_nodes, "tree_branch_histogram": self.branches}
+               if self.tree_width > 1 else {}),
         }
         trace = {"proposed": self.proposed_steps, "accepted": self.accepted_steps, "finished_at": time.time()}
         return RowOutput(self.tokens, "stop" if stopped else "length", stats, self.text_end,
@@ -239,18 +262,40 @@ def prefill(target, ids: torch.Tensor, mask: torch.Tensor, prompts: list[list[in
 def verify(target_kv: BatchKV, rows: Rows, proposal: Proposal, lengths: torch.Tensor | None, params: SamplingParams,
            processors: Processors, logprobs: bool):
     """The target scores [last, d_1..d_G] in one forward. lengths: [B] proposals per row (None:
-    all G). Returns n [B], next_token [B] and, when asked, the raw log-softmax [B, G+1, V] of
-    the target's logits (before any processing or warping)."""
+    all G). Returns n [B], next_token [B], when asked the raw log-softmax [B, G+1, V] of the
+    target's logits (before any processing or warping), and the proposal as checked (a tree's:
+    each row's accepted path)."""
+    if proposal.parents is not None:
+        return verify_tree(target_kv, rows, proposal, processors, logprobs)
     draft_tokens, gamma = proposal.tokens, proposal.width
     inputs = torch.cat([rows.last[:, None], draft_tokens], dim=1)  # [B, G+1]
     logits = target_kv.forward(inputs, torch.ones_like(inputs))  # [B, G+1, V]
     raw = torch.log_softmax(logits.float(), dim=-1) if logprobs else None
     logits = processors(logits, draft_tokens, rows.produced)
     if params.greedy:
-        return *accept_greedy(logits, draft_tokens, lengths), raw
+        return *accept_greedy(logits, draft_tokens, lengths), raw, proposal
     p = probabilities(logits, params)  # [B, G+1, V]
     u_accept, u_next = rows.uniform(ACCEPT, gamma), rows.uniform(NEXT, gamma + 1)
-    return *accept_sampled(p, proposal.q, draft_tokens, u_accept, u_next, lengths), raw
+    return *accept_sampled(p, proposal.q, draft_tokens, u_accept, u_next, lengths), raw, proposal
+
+
+def verify_tree(target_kv: BatchKV, rows: Rows, tree: Proposal, processors: Processors, logprobs: bool):
+    """A tree of depth D (greedy): the target scores [last, d_1..d_N] in one tree-masked forward,
+    each slot processed after its ancestors, keeps each row's accepted path in its cache (slots
+    [last, path], D+1 of them, which the step's rollback then cuts) and returns as verify does,
+    the proposal as the rows' paths: tokens [B, D], raw [B, D+1, V]."""
+    inputs = torch.cat([rows.last[:, None], tree.tokens], dim=1)  # [B, N+1]
+    depth = max(tree.lengths)
+    parents = torch.cat([tree.parents.new_full((len(inputs), 1), -1), tree.parents], dim=1)  # [B, N+1]
+    logits = target_kv.forward_tree(inputs, parents, depth)  # [B, N+1, V]
+    ancestors = tree_ancestors(parents, depth)  # [B, N+1, N+1]
+    processed = processors(logits, tree.tokens, rows.produced, ancestors=ancestors)
+    n, next_token, path = accept_tree_greedy(processed, tree.tokens, tree.parents, ancestors, depth)  # path [B, D+1]
+    target_kv.take_tree(path)
+    raw = None
+    if logprobs:
+        raw = torch.log_softmax(logits.gather(1, path[:, :, None].expand(-1, -1, logits.shape[-1])).float(), dim=-1)
+    return n, next_token, raw, replace(tree, tokens=inputs.gather(1, path[:, 1:]), parents=None, path=path)
 
 
 def token_logprobs(raw: torch.Tensor, new: torch.Tensor, k: int) -> torch.Tensor:
@@ -299,6 +344,13 @@ def forced_tokens(config: DecodeConfig, limits: list[int], gamma_max: int, devic
     return forced.to(device)
 
 
+def drafts_problem(target, drafts: list, config: DecodeConfig) -> str | None:
+    """Why these draft models cannot draft with these settings (None: they can)."""
+    if len(drafts) > 1 and (config.tree_width > 1 or config.ngram is not None):
+        return "several draft models propose one chain each: no tree width or n-gram lookup beside them"
+    return tree_problem([target, *drafts]) if config.tree_width > 1 or len(drafts) > 1 else None
+
+
 def split(values: list, sizes: list[int]) -> list[list]:
     """values cut into consecutive pieces of the given sizes."""
     starts = [0]
@@ -310,7 +362,8 @@ def split(values: list, sizes: list[int]) -> list[list]:
 class BatchDecoder:
     """Decodes one static batch. target/draft: causal LMs, or encoder–decoder models (which
     encode the prompts and decode from their decoder prefix), on one device; the draft proposes,
-    or with config.ngram n-gram lookup does (both: hybrid); neither: autoregressive.
+    or with config.ngram n-gram lookup does (both: hybrid); neither: autoregressive. draft may
+    be a list of several: each proposes a chain, the chains are checked as one tree.
 
     prompts: token ids per row, lengths may differ (each >= 1); row_ids: one id per row, which
     seeds its randomness with its seed; options: each row's own RowOptions (limit, seed, stop
@@ -329,10 +382,15 @@ class BatchDecoder:
             raise ValueError("need one row id (and options) per prompt and at least one prompt")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
+        drafts = list(draft) if isinstance(draft, (list, tuple)) else [draft] * (draft is not None)
+        problem = drafts_problem(target, drafts, config)
+        if problem:
+            raise ValueError(problem)
         if tokenizer is None and any(o.stop or o.grammar for o in options):
             raise ValueError("stop strings and grammars need the tokenizer")
         self.config, self.prompts = config, prompts
-        self.policy = policy or config.policy()
+        width = len(drafts) if len(drafts) > 1 else config.tree_width  # a tree's nodes per depth
+        self.policy = policy or config.policy(trees=width > 1)
         device = target.device
         # an encoder–decoder target encodes the prompts; its decoder starts from its own prefix
         source = padded(prompts, device, left=False) if target.config.is_encoder_decoder else None
@@ -343,9 +401,11 @@ class BatchDecoder:
         grammars = [o.grammar for o in options]
         self.grammar = GrammarRows(grammars, tokenizer, vocab, config.eos_token_ids, device,
                                    skip_first=config.forced_bos_token_id is not None) if any(grammars) else None
-        speculates = draft is not None or config.ngram is not None
+        speculates = bool(drafts) or config.ngram is not None
         self.jump = JumpDrafter(self.grammar, device) if self.grammar and config.jump_forward and speculates else None
-        self.drafter = make_drafter(draft, config.ngram, prompts, ids, mask, vocab, source, self.jump)
+        self.trees = width > 1 and config.sampling.greedy and self.grammar is None  # else the first draft's chains
+        self.drafter = make_drafter(drafts if self.trees else drafts[:1], config.ngram, prompts, ids, mask, vocab,
+                                    source, self.jump, config.tree_width if self.trees else 1)
         gamma_max = self.policy.gamma_max if self.drafter else 0
         limits = [o.max_new_tokens or config.max_new_tokens for o in options]
         seeds = [config.seed if o.seed is None else o.seed for o in options]
@@ -356,7 +416,7 @@ class BatchDecoder:
                                      forced_tokens(config, limits, gamma_max, device), self.grammar)
         self.top_logprobs = max((o.logprobs for o in options if o.logprobs is not None), default=None)
         stops = [StopStrings(o.stop, tokenizer, o.include_stop_str) if o.stop else None for o in options]
-        self.tallies = [Tally(b, gamma_max, limit, stop, o.logprobs)
+        self.tallies = [Tally(b, gamma_max, width, limit, stop, o.logprobs)
                         for b, (o, limit, stop) in enumerate(zip(options, limits, stops))]  # the live rows, in order
         for tally, prompt in zip(self.tallies, decoder_prompts):  # the prefill (or the encoding) is a forward
             tally.target_forwards = int(len(prompt) > 1 or source is not None)  # a 1-token prompt needs none
@@ -377,7 +437,9 @@ class BatchDecoder:
         B = len(self.tallies)
         behind = drafter.behind if drafter else 0
         chosen = self.policy.choose(B, self.expected, behind) if drafter else 0
-        if chosen:
+        if chosen and self.trees and self.policy.tree:
+            proposal = drafter.propose_tree(rows.last, chosen)
+        elif chosen:
             u = None if params.greedy else rows.uniform(DRAFT, chosen)  # [B, gamma]
             process = self.process_draft if self.processors.active else None
             proposal = drafter.propose(rows.last, chosen, params, u, process)
@@ -385,9 +447,11 @@ class BatchDecoder:
             proposal = self.jump.propose(rows.last, self.policy.gamma_max, params, None)
         else:
             proposal = Proposal.none(rows.last)
-        gamma, draft_tokens, lengths = proposal.width, proposal.tokens, proposal.short_lengths()
-        top = self.top_logprobs
-        n, next_token, raw = verify(target_kv, rows, proposal, lengths, params, self.processors, top is not None)
+        lengths, top = proposal.short_lengths(), self.top_logprobs
+        n, next_token, raw, proposal = verify(target_kv, rows, proposal, lengths, params, self.processors,
+                                              top is not None)
+        gamma, draft_tokens = proposal.width, proposal.tokens
+        won = proposal.path.gather(1, n[:, None]) if proposal.path is not None else n[:0]  # [B, 1]: a tree's node
         slots, empty_slots = target_kv.mask.numel(), (target_kv.mask == 0).sum()
         longest_row = (target_kv.mask.sum(-1) - (gamma - n)).max()  # valid slots after the rollback
         new, count, finished, stopped = emit(rows, draft_tokens, n, next_token)
@@ -395,10 +459,10 @@ class BatchDecoder:
         logprobs = token_logprobs(raw, new, top) if raw is not None else n[:0]  # [B, G+1, 1 + 2 top]
         # the step's one host sync: the rows' new tokens and what the rollback, the eviction, the
         # compaction and the policy need
-        sync = (n, count, finished, stopped, new.flatten(), torch.stack([empty_slots, longest_row]), logprobs.flatten())
-        host = torch.cat([t.double() for t in sync]).tolist()
-        n_host, count_host, finished_host, stopped_host, new_host, (empty_host, longest_host), lp_host = split(
-            host, [t.numel() for t in sync])
+        sync = (n, count, finished, stopped, new.flatten(), torch.stack([empty_slots, longest_row]), logprobs.flatten(),
+                won.flatten())
+        host = split(torch.cat([t.double() for t in sync]).tolist(), [t.numel() for t in sync])
+        n_host, count_host, finished_host, stopped_host, new_host, (empty_host, longest_host), lp_host, won_host = host
         self.totals["slots"] += slots
         self.totals["empty_slots"] += int(empty_host)
         self.totals["verify_steps"] += 1
@@ -411,18 +475,20 @@ class BatchDecoder:
                     finished_host[b] = stopped_host[b] = True
             k = tally.top_logprobs
             entries = logprob_entries(row_logprobs[b], len(blocks[b]), k, top) if k is not None else []
+            tree = (proposal.nodes, int(won_host[b] - 1) % (proposal.nodes // gamma)) if won_host else None
             tally.add_step(proposal.lengths[b], proposal.sources[b], int(n_host[b]), proposal.forwards, blocks[b],
-                           entries)
+                           entries, tree)
         if self.grammar:
             self.grammar.advance(blocks)
+        tree = proposal.path is not None
         if drafter and self.policy.auto:
-            self.expected = self.expected_tokens(n_host, proposal.lengths, finished_host)
+            self.expected = self.expected_tokens(n_host, [0] * B if tree else proposal.lengths, finished_host)
         max_n = int(max(n_host))
         if drafter:
             checked_host = sum(min(k + 1, proposed) for k, proposed in zip(n_host, proposal.lengths))
             seconds = time.perf_counter() - started if self.totals["verify_steps"] > 1 else None  # not the first
             if chosen or not gamma:  # a plain step's jump-forward tells the policy nothing of its choices
-                self.policy.observe(B, gamma, int(sum(n_host)), int(checked_host), seconds, behind)
+                self.policy.observe(B, gamma, int(sum(n_host)), int(checked_host), seconds, behind, tree)
             if gamma:
                 target_kv.rollback(n + 1, gamma + 1, max_n + 1)
             drafter.verified(proposal, rows.last, n, max_n, blocks)
@@ -443,9 +509,9 @@ class BatchDecoder:
         return self.processors(logits[:, None], proposals, self.rows.produced, first=proposals.shape[1])[:, 0]
 
     def expected_tokens(self, n: list[float], lengths: list[int], finished: list[float]) -> list[float]:
-        """[G+1]: tokens the rows still live after this step are expected to yield per gamma,
-        each at its own alpha (updated with this step's n of `lengths` proposals) and remaining
-        limit; on the host, from the step's sync."""
+        """[G+1]: tokens the rows still live after this step are expected to yield per gamma
+        with a chain, each at its own alpha (updated with this step's n of `lengths` proposals,
+        none after a tree) and remaining limit; on the host, from the step's sync."""
         alphas, remaining = [], []
         for tally, k, proposed, done in zip(self.tallies, n, lengths, finished):
             if any(lengths):  # a speculative step: the rows' acceptance, older steps fading

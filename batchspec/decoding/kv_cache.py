@@ -10,13 +10,23 @@ would count slots (pads and holes included), and a 4D mask is taken as given, wh
 from a 2D mask reads the mask back to the host (a sync per forward). ALiBi models (BLOOM, MPT,
 Falcon with alibi) get the 2D mask instead: their position biases are computed from it. Every
 layer keeps its whole past so that rollback and compaction stay possible.
+
+A token tree (decoding/tree.py) is appended with forward_tree: its slots see the past and their
+own ancestors only, at position past + depth; take_tree then keeps one path of it, in order.
 """
 
 import torch
 from transformers import DynamicCache
 
+from batchspec.decoding.tree import tree_ancestors
+
 ALIBI_MODELS = {"bloom", "mpt"}  # model types whose forward reads the 2D mask (as do configs with alibi=True)
 SLOT_ALIBI = {"mpt"}  # ALiBi over cache slots, not positions: rollback holes change the output (ar only)
+
+
+def uses_alibi(config) -> bool:
+    """Whether a model's forward reads the 2D mask for its ALiBi biases (so takes no tree mask)."""
+    return config.model_type in ALIBI_MODELS or getattr(config, "alibi", False) is True
 
 
 def padded(prompts: list[list[int]], device, left: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,8 +50,9 @@ class BatchKV:
         self.window = getattr(text_config, "sliding_window", None)  # how far sliding layers look back
         self.layer_types = getattr(text_config, "layer_types", None)  # None: every layer slides
         self.cache = self.new_cache()
-        self.alibi = model.config.model_type in ALIBI_MODELS or getattr(model.config, "alibi", False) is True
+        self.alibi = uses_alibi(model.config)
         self.mask = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # [B, L]
+        self.tree: tuple[int, torch.Tensor, int] | None = None  # the open tree: first slot, parents [B, T], depth
 
     def new_cache(self):
         return DynamicCache(config=self.model.config) if self.window is None else DynamicCache()
@@ -60,14 +71,50 @@ class BatchKV:
         """
         self.mask = torch.cat([self.mask, input_mask], dim=1)  # [B, L+S]
         positions = (self.mask.cumsum(-1) - 1).clamp_(min=0)  # [B, L+S]
-        return self.run(input_ids.clamp(max=self.last_id), positions, logits_to_keep)
+        S, slot = input_ids.shape[1], torch.arange(self.length, device=self.mask.device)  # [L+S]
+        own = slot[None, :] == slot[-S:, None]  # [S, L+S]
+        seen = self.mask.bool()[:, None, :] & (slot[None, :] <= slot[-S:, None]) | own  # [B, S, L+S]
+        return self.run(input_ids.clamp(max=self.last_id), positions, seen, logits_to_keep)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
+    def forward_tree(self, input_ids: torch.Tensor, parents: torch.Tensor, depth: int) -> torch.Tensor:
+        """Append S tree slots (ids [B, S]) and return their logits [B, S, V]. parents [B, S]: each
+        slot's parent among the open tree's slots, counted from the tree's first (-1: below the
+        past); depth: the deepest chain of parents in the tree so far (host). The first call opens
+        the tree; take_tree closes it."""
+        start, before, _ = self.tree or (self.length, parents[:, :0], 0)
+        parents = torch.cat([before, parents], dim=1)  # [B, T]
+        self.tree = (start, parents, depth)
+        self.mask = torch.cat([self.mask, torch.ones_like(input_ids)], dim=1)  # [B, L+T]
+        ancestors = tree_ancestors(parents, depth)  # [B, T, T]
+        past = self.mask[:, :start]  # [B, L]
+        level = ancestors.sum(-1) - 1  # [B, T]
+        positions = torch.cat([(past.cumsum(-1) - 1).clamp(min=0), past.sum(-1, keepdim=True) + level], dim=1)
+        S = input_ids.shape[1]
+        seen = torch.cat([past.bool()[:, None, :].expand(-1, S, -1), ancestors[:, -S:]], dim=2)  # [B, S, L+T]
+        return self.run(input_ids.clamp(max=self.last_id), positions, seen, 0)
+
+    def take_tree(self, path: torch.Tensor) -> None:
+        """Close the open tree, keeping the slots path [B, K] (tree slots, counted from its first)
+        in that order: K slots whose keys and values are the path's. Then rollback cuts them to
+        each row's own length."""
+        if self.tree is None:  # no tree slot was appended
+            return
+        start, K = self.tree[0], path.shape[1]
+        for layer in self.layers:
+            index = path[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])  # [B, H, K, D]
+            layer.keys[:, :, start : start + K] = layer.keys[:, :, start:].gather(2, index)
+            layer.values[:, :, start : start + K] = layer.values[:, :, start:].gather(2, index)
+        self.cache.crop(start + K - self.length)  # a negative count drops that many slots
+        self.mask = self.mask[:, : start + K]
+        self.tree = None
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, seen: torch.Tensor,
+            logits_to_keep: int) -> torch.Tensor:
         """The model's forward over the last S slots of the mask (ids [B, S]; positions [B, L]:
-        every slot's)."""
+        every slot's; seen [B, S, L]: the slots each attends to, itself included)."""
         out = self.model(
             input_ids=input_ids,
-            attention_mask=self.mask if self.alibi else self.attention_masks(input_ids.shape[1]),
+            attention_mask=self.mask if self.alibi else self.attention_masks(seen, positions),
             position_ids=positions[:, -input_ids.shape[1] :],
             past_key_values=self.cache,
             use_cache=True,
@@ -75,22 +122,20 @@ class BatchKV:
         )
         return out.logits
 
-    def attention_masks(self, S: int):
-        """Masks [B, 1, S, L] for the last S slots: "full_attention" sees every earlier token of
-        the row, "sliding_attention" only those fewer than `window` positions back; one mask, or
-        one per layer type when the model mixes them. A slot always sees itself, so a pad's or a
-        hole's (unused) query is never left empty. Boolean (True = attend), or additive floats
-        for eager attention, which adds its mask to the scores."""
-        slot = torch.arange(self.length, device=self.mask.device)  # [L]
-        own = slot[None, :] == slot[-S:, None]  # [S, L]
-        seen = self.mask.bool()[:, None, :] & (slot[None, :] <= slot[-S:, None])  # [B, S, L]
+    def attention_masks(self, seen: torch.Tensor, positions: torch.Tensor):
+        """Masks [B, 1, S, L] for the last S slots: "full_attention" sees every slot of `seen`
+        ([B, S, L]: the row's earlier tokens, or a tree slot's ancestors), "sliding_attention"
+        only those fewer than `window` positions back (positions [B, L]); one mask, or one per
+        layer type when the model mixes them. A slot always sees itself, so a pad's or a hole's
+        (unused) query is never left empty. Boolean (True = attend), or additive floats for
+        eager attention, which adds its mask to the scores."""
         masks = {}
         if self.window is None or self.layer_types is not None:
-            masks["full_attention"] = seen | own
+            masks["full_attention"] = seen
         if self.window is not None:
-            position = self.mask.cumsum(-1)  # [B, L]
-            near = position[:, None, :] > (position[:, -S:] - self.window)[:, :, None]  # [B, S, L]
-            masks["sliding_attention"] = seen & near | own
+            S = seen.shape[1]
+            near = positions[:, None, :] > (positions[:, -S:] - self.window)[:, :, None]  # [B, S, L]
+            masks["sliding_attention"] = seen & near
         masks = {k: self.additive(m[:, None]) for k, m in masks.items()}
         return masks if len(masks) > 1 else next(iter(masks.values()))
 

@@ -20,9 +20,16 @@ plain target step, the draft sits out.
   can still switch speculation on later, at a bounded price. The loss includes the draft's
   catch-up: its first forward also reads every token it skipped, a cost per row and skipped
   token timed on the steps that did so (those steps do not count towards T).
+- Trees (--tree-width W, or several drafts' chains, with auto): a tree of depth gamma is one
+  more choice beside the chain of gamma, with its own step costs and its own run alpha (per
+  depth of the accepted path); a row's E with a tree is its chain E times the run's
+  E(tree alpha) / E(chain alpha). A tree not timed yet is priced as the chain (its verify is
+  wider: it is tried, then timed), and its alpha starts TREE_LIFT above the chain's, so that
+  trees are tried early and kept only if they pay.
 """
 
 import math
+from typing import NamedTuple
 
 PRIOR_ALPHA = 0.5  # the run's alpha before any proposal was checked
 PRIOR_WEIGHT = 2.0  # proposals' worth of the run's alpha in each row's estimate
@@ -31,6 +38,7 @@ RUN_DECAY = 0.98
 PRIOR_SLOPE = 0.1  # a proposal's cost relative to a plain step, before two gammas were timed
 PROBE_FIRST, PROBE_LAST = 16, 512  # plain steps before a probe of speculation (doubling)
 PROBE_BUDGET = 0.01  # the most of the time an expected-to-lose probe may take
+TREE_LIFT = 1.25  # a tree's alpha over the chain's, before any tree was checked
 
 
 def expected_tokens(alphas: list[float], remaining: list[int], gamma_max: int) -> list[float]:
@@ -111,19 +119,31 @@ def line(timed: dict[int, float]) -> tuple[float, float]:
     return max(mean_s - slope * mean_g, 1e-9), slope
 
 
+class Choice(NamedTuple):
+    rate: float  # expected tokens per second
+    gamma: int
+    tree: bool
+    tokens: float  # expected tokens of the step
+    seconds: float  # its expected cost
+
+
 class GammaPolicy:
-    """gamma per step. fixed: always that gamma; None: auto, up to gamma_max.
+    """gamma per step. fixed: always that gamma; None: auto, up to gamma_max. trees: a tree may
+    be proposed instead of a chain (`tree` tells which the last choice was): always with a fixed
+    gamma, where it pays with auto.
 
     One policy serves a whole run (the job passes it to every batch): step costs and the run's
     alpha carry over from batch to batch.
     """
 
-    def __init__(self, gamma_max: int, fixed: int | None = None):
+    def __init__(self, gamma_max: int, fixed: int | None = None, trees: bool = False):
         if gamma_max < 1 or (fixed is not None and not 1 <= fixed <= gamma_max):
             raise ValueError(f"need 1 <= gamma <= gamma_max, got gamma {fixed}, gamma_max {gamma_max}")
-        self.gamma_max, self.fixed = gamma_max, fixed
-        self.costs = StepCosts()
+        self.gamma_max, self.fixed, self.trees = gamma_max, fixed, trees
+        self.tree = trees  # the last choice is a tree
+        self.costs, self.tree_costs = StepCosts(), StepCosts()  # chains' (and plain steps'), trees'
         self.accepted, self.checked = PRIOR_ALPHA * PRIOR_WEIGHT, PRIOR_WEIGHT  # decayed run totals
+        self.tree_accepted, self.tree_checked = 0.0, 0.0  # decayed totals of the trees' paths
         self.plain_steps, self.probe_gap = 0, PROBE_FIRST
         self.catch_up: float | None = None  # seconds a step spends per row and token the draft skipped
 
@@ -135,6 +155,20 @@ class GammaPolicy:
     def alpha(self) -> float:
         """The run's per-proposal acceptance, recent proposals weighing most."""
         return self.accepted / self.checked
+
+    @property
+    def tree_alpha(self) -> float:
+        """The same along the trees' accepted paths, from TREE_LIFT times the chains' before any."""
+        prior = min(TREE_LIFT * self.alpha, 1 - 1e-3)
+        return (self.tree_accepted + PRIOR_WEIGHT * prior) / (self.tree_checked + PRIOR_WEIGHT)
+
+    def tree_arm(self, rows: int, expected: list[float], costs: list[float]) -> tuple[list[float], list[float]]:
+        """A tree's expected tokens and seconds per depth 0..gamma_max, from the chains' (their
+        costs where no tree was timed yet)."""
+        chain, tree = (min(a, 1 - 1e-6) for a in (self.alpha, self.tree_alpha))
+        lift = [(1 - tree ** (g + 1)) / (1 - tree) / ((1 - chain ** (g + 1)) / (1 - chain)) for g in range(len(costs))]
+        tree_costs = self.tree_costs.estimates(rows, self.gamma_max) if self.tree_costs.cells else costs
+        return [e * x for e, x in zip(expected, lift)], tree_costs
 
     def choose(self, rows: int, expected: list[float] | None, behind: int = 0) -> int:
         """The next step's gamma for `rows` live rows. expected[g]: the tokens they are expected
@@ -148,33 +182,41 @@ class GammaPolicy:
         if expected is None:
             a = min(self.alpha, 1 - 1e-6)
             expected = [rows * (1 - a ** (g + 1)) / (1 - a) for g in range(self.gamma_max + 1)]
-        rates = [tokens / seconds for tokens, seconds in zip(expected, costs)]
-        best = max(range(len(rates)), key=rates.__getitem__)
-        if best:
+        arms = [(False, expected, costs)] + ([(True, *self.tree_arm(rows, expected, costs))] if self.trees else [])
+        choices = [Choice(tokens[g] / seconds[g], g, tree, tokens[g], seconds[g])
+                   for tree, tokens, seconds in arms for g in range(int(tree), self.gamma_max + 1)]
+        best = max(choices, key=lambda c: c.rate)  # the first of equals: chains before trees
+        self.tree = best.tree
+        if best.gamma:
             self.plain_steps, self.probe_gap = 0, PROBE_FIRST
-            return best
+            return best.gamma
         self.plain_steps += 1
-        probe = max(range(1, len(rates)), key=rates.__getitem__)
+        probe = max((c for c in choices if c.gamma), key=lambda c: c.rate)
         catch_up = (self.catch_up or 0.0) * rows * behind
-        loss = (costs[probe] + catch_up) / costs[0] - expected[probe] / expected[0]  # in plain steps: cost - yield
+        loss = (probe.seconds + catch_up) / costs[0] - probe.tokens / expected[0]  # in plain steps: cost - yield
         if self.plain_steps < max(self.probe_gap, loss / PROBE_BUDGET):
             return 0
         self.plain_steps, self.probe_gap = 0, min(2 * self.probe_gap, PROBE_LAST)
-        return probe
+        self.tree = probe.tree
+        return probe.gamma
 
     def observe(self, rows: int, gamma: int, accepted: int, checked: int, seconds: float | None,
-                behind: int = 0) -> None:
-        """A step's outcome: proposals accepted and checked (all rows), its seconds (None: not
-        timed) and the tokens the draft read first (behind > 1: a catch-up, timed apart)."""
-        if gamma:
+                behind: int = 0, tree: bool = False) -> None:
+        """A step's outcome: proposals accepted and checked (all rows; a tree's: along the
+        accepted paths), its seconds (None: not timed) and the tokens the draft read first
+        (behind > 1: a catch-up, timed apart)."""
+        if tree:
+            self.tree_accepted = RUN_DECAY * self.tree_accepted + accepted
+            self.tree_checked = RUN_DECAY * self.tree_checked + checked
+        elif gamma:
             self.accepted = RUN_DECAY * self.accepted + accepted
             self.checked = RUN_DECAY * self.checked + checked
         if seconds is None:
             return
         if not gamma or behind <= 1:
-            self.costs.add(rows, gamma, seconds)
+            (self.tree_costs if tree else self.costs).add(rows, gamma, seconds)
             return
-        costs = self.costs.estimates(rows, self.gamma_max)
+        costs = (self.tree_costs if tree and self.tree_costs.cells else self.costs).estimates(rows, self.gamma_max)
         if costs is not None:
             per_token = max(seconds - costs[gamma], 0.0) / (rows * behind)
             self.catch_up = per_token if self.catch_up is None else self.catch_up + 0.2 * (per_token - self.catch_up)

@@ -8,7 +8,9 @@ proposals before it, d_1..d_i, had been emitted. So each row's counts of its out
 (and the set of tokens in its prompt and output, for the repetition penalty) are held on the
 device, and each position adds the cumulative one-hot of the proposals before it: no loop over
 positions, no host sync. A grammar is the exception: its matchers run on the host, so the proposals are
-read there (grammar.GrammarRows).
+read there (grammar.GrammarRows). A token tree's slots (tree.py) each come after their own
+ancestors: the counts add those, and a slot's output index is the row's length plus its depth
+(no grammar over trees).
 
 Order as transformers' generate applies them (logit bias, repetition penalty, min_new_tokens,
 grammar mask, forced tokens), with OpenAI's frequency/presence penalties after the repetition
@@ -30,6 +32,15 @@ def prefix_counts(tokens: torch.Tensor, first: int, vocab: int) -> torch.Tensor:
     counts[:, 0].scatter_add_(1, tokens[:, :first], torch.ones_like(tokens[:, :first], dtype=torch.float32))
     counts[:, 1:].scatter_(2, tokens[:, first:, None], 1.0)
     return counts.cumsum_(1)
+
+
+def tree_counts(tokens: torch.Tensor, ancestors: torch.Tensor, vocab: int) -> torch.Tensor:
+    """tokens [B, N] a tree's nodes, ancestors [B, N+1, N+1] over [root, d_1..d_N] -> [B, N+1, V]:
+    how often each id occurs among the nodes on each slot's path, itself included (the root, the
+    row's newest token, is counted already)."""
+    B, N = tokens.shape
+    one_hot = torch.zeros(B, N, vocab, device=tokens.device).scatter_(2, tokens[:, :, None], 1.0)  # [B, N, V]
+    return ancestors[:, :, 1:].float() @ one_hot
 
 
 def put(table: torch.Tensor, entries: list[tuple[int, int, float | bool]]) -> None:
@@ -79,10 +90,12 @@ class Processors:
         return any(self.uses.values())
 
     def __call__(self, logits: torch.Tensor, proposals: torch.Tensor, produced: torch.Tensor,
-                 first: int = 0) -> torch.Tensor:
+                 first: int = 0, ancestors: torch.Tensor | None = None) -> torch.Tensor:
         """logits [B, J, V] at the step's positions first..first+J-1; position i comes after the
         row's proposals[:, :i] (proposals: [B, first+J-1]); produced [B]: tokens the rows had
-        before the step. Returns processed float32 logits [B, J, V] (logits itself when inactive)."""
+        before the step. A tree's: proposals its N nodes, logits at [root, d_1..d_N] and
+        ancestors [B, J, J] over those slots. Returns processed float32 logits [B, J, V] (logits
+        itself when inactive)."""
         if not self.active:
             return logits
         J = logits.shape[1]
@@ -90,7 +103,12 @@ class Processors:
         if self.uses["bias"]:
             scores = scores + self.bias[:, None, :]
         proposed = proposals.shape[1] > 0 and (self.uses["repetition"] or self.uses["counts"])
-        before = prefix_counts(proposals, first, self.vocab) if proposed else None  # [B, J, V]
+        if ancestors is not None:
+            at = produced[:, None] + ancestors.sum(-1) - 1  # [B, J] output index: the row's length + depth
+            before = tree_counts(proposals, ancestors, self.vocab) if proposed else None  # [B, J, V]
+        else:
+            at = produced[:, None] + first + torch.arange(J, device=logits.device)  # [B, J] output index
+            before = prefix_counts(proposals, first, self.vocab) if proposed else None  # [B, J, V]
         if self.uses["repetition"]:
             seen = self.seen[:, None, :] | (before > 0) if proposed else self.seen[:, None, :]  # [B, J, V]
             penalty = self.repetition[:, None, None]
@@ -100,7 +118,6 @@ class Processors:
             counts = self.counts[:, None, :] + before if proposed else self.counts[:, None, :]  # [B, J, V]
             scores = scores - self.frequency[:, None, None] * counts - self.presence[:, None, None] * (counts > 0)
         if self.uses["min_tokens"]:
-            at = produced[:, None] + first + torch.arange(J, device=logits.device)  # [B, J] output index
             early = at < self.min_tokens[:, None]  # [B, J]
             scores = scores.masked_fill(early[:, :, None] & self.ending[:, None, :], float("-inf"))
         if self.uses["grammar"]:
@@ -108,8 +125,7 @@ class Processors:
             allowed = self.grammar.allowed(before, first, J)  # [B, J, V]
             scores = scores.masked_fill(~allowed, float("-inf"))
         if self.uses["forced"]:  # 0 for the token, -inf for every other, as transformers' ForcedBOS/EOS do
-            at = produced[:, None] + first + torch.arange(J, device=logits.device)  # [B, J] output index
-            token = self.forced.gather(1, at.clamp_(max=self.forced.shape[1] - 1))  # [B, J]
+            token = self.forced.gather(1, at.clamp(max=self.forced.shape[1] - 1))  # [B, J]
             it = torch.arange(self.vocab, device=logits.device) == token[:, :, None]  # [B, J, V]
             scores = torch.where((token >= 0)[:, :, None], torch.where(it, 0.0, float("-inf")), scores)
         return scores

@@ -114,15 +114,15 @@ class Seq2SeqKV(BatchKV):
         decoder = self.model.get_decoder().config  # T5's own num_layers is the encoder's depth
         return EncoderDecoderCache(DynamicCache(config=decoder), DynamicCache(config=decoder))
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
-        S = input_ids.shape[1]
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, seen: torch.Tensor,
+            logits_to_keep: int) -> torch.Tensor:
         self.positions.positions = positions  # [B, L]: what the model's patch reads
         try:
             out = self.model(
                 encoder_outputs=self.encoded,
                 attention_mask=self.additive(self.source_mask.bool()[:, None, None, :]),  # [B, 1, 1, P]: no sync
                 decoder_input_ids=input_ids,
-                decoder_attention_mask=self.attention_masks(S),
+                decoder_attention_mask=self.attention_masks(seen, positions),
                 past_key_values=self.cache,
                 use_cache=True,
             )

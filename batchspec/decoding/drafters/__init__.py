@@ -15,8 +15,14 @@ batch's rows:
   behind              tokens the drafter has not seen yet (host int): a step after which it
                       catches up is not a typical step to time.
 
-make_drafter picks the kind: a draft model, n-gram lookup (no model), or both (hybrid); with a
-grammar, each row's forced text (jump-forward) comes before either.
+A draft model that grows token trees (TreeDrafter), and several draft models together
+(SeveralDrafters: their chains merged into one tree) also have
+  propose_tree(last [B], depth) -> Proposal with parents (a tree; greedy), and their verified()
+      then gets each row's accepted path (Proposal.path) to keep.
+
+make_drafter picks the kind: a draft model (chains, or trees with tree_width > 1), several,
+n-gram lookup (no model), or a model and n-gram lookup (hybrid); with a grammar, each row's
+forced text (jump-forward) comes before either.
 """
 
 import torch
@@ -27,22 +33,27 @@ from batchspec.decoding.drafters.jump import JumpDrafter
 from batchspec.decoding.drafters.model import ModelDrafter
 from batchspec.decoding.drafters.ngram import NgramDrafter
 from batchspec.decoding.drafters.proposal import Proposal
+from batchspec.decoding.drafters.several import SeveralDrafters
+from batchspec.decoding.drafters.tree import TreeDrafter, tree_problem
 from batchspec.decoding.seq2seq import decoder_prefix
 
 
-def make_drafter(draft, ngram: tuple[int, int] | None, prompts: list[list[int]], ids: torch.Tensor,
+def make_drafter(drafts: list, ngram: tuple[int, int] | None, prompts: list[list[int]], ids: torch.Tensor,
                  mask: torch.Tensor, vocab: int, source: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 jump: JumpDrafter | None = None):
-    """draft: a draft model or None; ngram: (n_min, n_max) for prompt lookup, or None. ids, mask:
-    [B, P] the left-padded (decoder) prompts; vocab: the target's logit width; source: the
-    prompts, right-padded, for an encoder–decoder pair; jump: the rows' grammars' forced text,
-    proposed first (None: no jump-forward). None: no drafter (ar)."""
-    if draft is None and not ngram:
+                 jump: JumpDrafter | None = None, tree_width: int = 1):
+    """drafts: draft models (none, one, or several: their chains merged into trees); ngram:
+    (n_min, n_max) for prompt lookup, or None. ids, mask: [B, P] the left-padded (decoder)
+    prompts; vocab: the target's logit width; source: the prompts, right-padded, for an
+    encoder–decoder pair; jump: the rows' grammars' forced text, proposed first (None: no
+    jump-forward); tree_width > 1: the draft proposes trees. None: no drafter (ar)."""
+    if not drafts and not ngram:
         return None
-    model = None
-    if draft is not None:  # an encoder–decoder's decoder prompt is its start, for every row
+    models = []
+    for draft in drafts:  # an encoder–decoder's decoder prompt is its start, for every row
         newest = [p[-1] for p in prompts] if source is None else [decoder_prefix(draft)[-1]] * len(prompts)
-        model = ModelDrafter(draft, ids, mask, vocab, newest, source)
+        models.append(TreeDrafter(draft, ids, mask, vocab, newest, source, width=tree_width) if tree_width > 1
+                      else ModelDrafter(draft, ids, mask, vocab, newest, source))
+    model = SeveralDrafters(models) if len(models) > 1 else models[0] if models else None
     lookups = [jump] if jump is not None else []
     lookups += [NgramDrafter(prompts, *ngram, device=ids.device)] if ngram else []
     lookup = FirstOf(lookups) if len(lookups) > 1 else lookups[0] if lookups else None
@@ -51,4 +62,5 @@ def make_drafter(draft, ngram: tuple[int, int] | None, prompts: list[list[int]],
     return model or lookup
 
 
-__all__ = ["FirstOf", "HybridDrafter", "JumpDrafter", "ModelDrafter", "NgramDrafter", "Proposal", "make_drafter"]
+__all__ = ["FirstOf", "HybridDrafter", "JumpDrafter", "ModelDrafter", "NgramDrafter", "Proposal", "SeveralDrafters",
+           "TreeDrafter", "make_drafter", "tree_problem"]

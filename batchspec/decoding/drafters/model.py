@@ -72,26 +72,33 @@ class ModelDrafter:
     def verified(self, proposal: Proposal, last: torch.Tensor, n: torch.Tensor, max_n: int, appended) -> None:
         """Cut the draft cache to each row's accepted prefix and note what it now owes."""
         tokens, gamma = proposal.tokens, proposal.width
-        newest, self.newest = self.newest, [block[-1] if block else t for block, t in zip(appended, self.newest)]
+        newest = self.noted(appended)
         if not proposal.forwards:  # the draft sat out: it owes `last` and each row's accepted proposals
             for pending, last_token, block in zip(self.pending, newest, appended):
                 pending += [last_token, *block[:-1]]
             return
-        # the draft ran last, d_1..d_{G-1}: a row of its own keeps last, d_1..d_n (all of them when
-        # n = G) and owes d_G if it kept it; a row that took a proposal from elsewhere keeps `last`
-        # and owes its accepted d_1..d_n
+        # a row that took a proposal from elsewhere (hybrid) shares none of its path with the draft's
         others = [source != "model" for source in proposal.sources]
-        own = ~on_device(others, n.device, torch.bool) if any(others) else None  # [B]
-        keep = (n + 1).clamp(max=gamma)  # [B]
-        first = gamma - 1 if own is None else 0  # the first proposal any row may owe
-        if own is not None:
-            keep = torch.where(own, keep, 1)
-        self.kv.rollback(keep, gamma, min(max_n + 1, gamma))
+        common = torch.where(on_device(others, n.device, torch.bool), 0, n) if any(others) else n
+        self.kept(tokens, n, common, max_n, first=0 if any(others) else gamma - 1)
+
+    def kept(self, path: torch.Tensor, n: torch.Tensor, common: torch.Tensor, max_n: int, first: int = 0) -> None:
+        """After a step in which the draft proposed a chain of G (it ran last, d_1..d_{G-1}):
+        each row kept path[:, :n] (path: [B, G]), of which the draft's own proposals are the
+        first common[b] <= n[b]. It keeps last and the ones it ran, and owes the rest of the
+        path (all of it when the path is its own: d_G). first: no row owes a path token before
+        it (host; 0 is always right)."""
+        gamma = path.shape[1]
+        ran = common.clamp(max=gamma - 1)  # [B]: the path's tokens the draft ran through itself
+        self.kv.rollback(ran + 1, gamma, min(max_n + 1, gamma))
         slot = torch.arange(first, max(first, max_n), device=n.device)  # [K]
-        owed_mask = (slot[None, :] == gamma - 1) & (n == gamma)[:, None]  # [B, K]
-        if own is not None:
-            owed_mask = torch.where(own[:, None], owed_mask, slot[None, :] < n[:, None])
-        self.owed, self.owed_mask = tokens[:, first : first + len(slot)], owed_mask.long()
+        owed_mask = (slot[None, :] >= ran[:, None]) & (slot[None, :] < n[:, None])  # [B, K]
+        self.owed, self.owed_mask = path[:, first : first + len(slot)], owed_mask.long()
+
+    def noted(self, appended: list[list[int]]) -> list[int]:
+        """Each row's newest token after it appended `appended` (host); returns the ones before."""
+        newest, self.newest = self.newest, [block[-1] if block else t for block, t in zip(appended, self.newest)]
+        return newest
 
     def catch_up(self) -> None:
         """Move what the steps the draft sat out added (host) to the owed tokens (device)."""

@@ -8,13 +8,20 @@ import torch
 @dataclass
 class Proposal:
     """Up to G proposals per row. A row may propose fewer (an n-gram lookup without a match
-    proposes none): its slots past `lengths[b]` are padding, verified but never accepted."""
+    proposes none): its slots past `lengths[b]` are padding, verified but never accepted.
+
+    A tree (decoding/tree.py) has `parents`: tokens are its N nodes, and lengths its depth. The
+    verification hands the drafter back each row's accepted path as a chain: tokens [B, depth]
+    the path's, `path` its slots in the tree, parents None."""
 
     tokens: torch.Tensor  # [B, G] d_1..d_G per row
     q: torch.Tensor | None  # [B, G, V] the draft's probabilities; None: one-hot at tokens (or greedy)
     lengths: list[int]  # host: proposals per row, each <= G
     sources: list[str | None]  # host: per row "model", "ngram", "jump", or None (proposed nothing)
     forwards: int = 0  # draft model forwards it took (0: the draft model sat out)
+    parents: torch.Tensor | None = None  # [B, N] a tree's: each node's parent slot in [root, d_1..d_N]
+    path: torch.Tensor | None = None  # [B, depth+1] the accepted path's slots in the tree, from the root
+    nodes: int = 0  # a tree's nodes (N), after verification too
 
     @classmethod
     def none(cls, last: torch.Tensor) -> "Proposal":
