@@ -95,8 +95,14 @@ class Cell:
 
     @property
     def alpha(self) -> float | None:
-        drafted = self.total("draft_tokens") if self.stats else 0
-        return self.total("accepted_tokens") / drafted if drafted else None
+        """The per-proposal acceptance of E(alpha, gamma) that the accepted tokens per speculative
+        step imply at the gammas the steps used (accepted / drafted understates it: proposals after
+        a rejection are never accepted)."""
+        steps = [sum(column) for column in zip(*(s["gamma_histogram"] for s in self.stats))][1:]  # per gamma 1..
+        if not sum(steps):
+            return None
+        shares = {g: count / sum(steps) for g, count in enumerate(steps, start=1) if count}
+        return geometric_alpha(self.accepted_length, shares)
 
     @property
     def accepted_length(self) -> float | None:
@@ -108,6 +114,21 @@ class Cell:
         counts = [sum(column) for column in zip(*(s["gamma_histogram"] for s in self.stats))]
         steps = sum(counts)
         return " ".join(f"{g}:{100 * c / steps:.0f}%" for g, c in enumerate(counts) if c) if steps else ""
+
+
+def geometric_alpha(accepted: float, shares: dict[int, float]) -> float:
+    """The alpha at which steps proposing gamma tokens with probability shares[gamma] accept
+    `accepted` tokens on average, each proposal accepted with probability alpha until the first
+    rejection: sum over gamma of shares[gamma] * (alpha + ... + alpha^gamma) = accepted."""
+
+    def mean_accepted(alpha: float) -> float:
+        return sum(share * sum(alpha ** i for i in range(1, g + 1)) for g, share in shares.items())
+
+    low, high = 0.0, 1.0
+    for _ in range(50):  # bisection: mean_accepted rises with alpha
+        middle = (low + high) / 2
+        low, high = (middle, high) if mean_accepted(middle) < accepted else (low, middle)
+    return (low + high) / 2
 
 
 @dataclass

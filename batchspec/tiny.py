@@ -1,11 +1,13 @@
 """Tiny target/draft pairs built from configs and an in-memory tokenizer: for tests and benchmarks.
 
 No network: the tokenizer is a byte-level BPE trained here on generated text; the models are
-randomly initialised; the draft is the target plus weight noise, so it agrees often, not always.
+randomly initialised; the draft is the target plus weight noise, so it agrees often, not always,
+or (draft_layers) the target's first layers, a draft as much cheaper as it is shallower.
 Everything is written with save_pretrained, so it is loaded back the way users' models are.
 """
 
 import random
+import re
 from pathlib import Path
 
 import torch
@@ -124,16 +126,36 @@ def perturbed(model, noise: float, seed: int):
     return copy
 
 
+def shallow(model, layers: int, nudge: float):
+    """The first `layers` layers of `model` (with its embeddings, final norm and head) as a model of
+    their own; every matrix and bias of `model`'s later layers is scaled by `nudge` (in place),
+    so that those layers nudge what the first ones compute rather than rewrite it: the smaller
+    `nudge`, the more often the shallow copy agrees (0: always)."""
+    config = model.config.__class__.from_dict(model.config.to_dict())
+    config.num_hidden_layers = layers
+    copy = type(model)(config)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            index = re.search(r"\.(?:layers|h)\.(\d+)\.", name)
+            if index and int(index.group(1)) >= layers and (weight.dim() == 2 or name.endswith("bias")):
+                weight.mul_(nudge)
+    kept = copy.state_dict().keys()
+    copy.load_state_dict({name: tensor for name, tensor in model.state_dict().items() if name in kept})
+    return copy.eval()  # as loaded models are: no dropout
+
+
 def build_pair(
     folder: Path, family: str, *, noise: float = 0.1, seed: int = 0, eos_token_ids=None, size: int = 64, layers: int = 2,
-    window: int = 4096,
+    window: int = 4096, draft_layers: int | None = None,
 ) -> tuple[Path, Path]:
-    """Write a tiny target and its noisy draft (same tokenizer) under `folder`; return both paths."""
+    """Write a tiny target and its draft (same tokenizer) under `folder`; return both paths. The
+    draft is the target plus `noise` times each tensor's std, or with draft_layers (decoder-only
+    families) the target's first draft_layers layers, its later layers' matrices scaled by `noise`."""
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
     config = build_config(family, tokenizer, size, layers, window)
     target = (AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM).from_config(config)
-    draft = perturbed(target, noise, seed + 1)
+    draft = perturbed(target, noise, seed + 1) if draft_layers is None else shallow(target, draft_layers, noise)
     eos = tokenizer.eos_token_id if eos_token_ids is None else list(eos_token_ids)
     paths = []
     for name, model in (("target", target), ("draft", draft)):

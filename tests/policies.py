@@ -1,6 +1,8 @@
 """A gamma policy for tests: a scripted sequence of gammas, cycled, so that switches between plain
 steps (gamma 0) and speculative ones happen where a test wants them."""
 
+import math
+
 from batchspec.decoding.policy import GammaPolicy
 
 
@@ -11,7 +13,7 @@ class Scripted(GammaPolicy):
         super().__init__(gamma_max, trees=trees)
         self.gammas, self.steps = gammas, 0
 
-    def choose(self, rows: int, expected, behind: int = 0) -> int:
+    def choose(self, rows: int, expected, behind: int = 0, left: float = math.inf) -> int:
         """The script's next gamma; `tree` is left as the test set it."""
         self.steps += 1
         return self.gammas[(self.steps - 1) % len(self.gammas)]

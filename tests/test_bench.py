@@ -4,6 +4,7 @@ plots (no timing asserted); its fidelity and memory measures."""
 import csv
 import json
 import math
+import random
 import re
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import torch
 from click.testing import CliRunner
 from PIL import Image
 
-from batchspec.bench import PeakMemory, bench
+from batchspec.bench import PeakMemory, bench, geometric_alpha
 from batchspec.bench_files import COLUMNS
 from batchspec.cli import main
 from batchspec.errors import UsageError
@@ -139,6 +140,18 @@ def test_mismatches_name_the_position_and_the_targets_margin(tiny_pair):
     vocab = pair.draft.get_input_embeddings().num_embeddings
     pair.draft.resize_token_embeddings(vocab - 8)  # a draft that covers part of the target's ids
     assert 0 < mean_jsd(pair.target, pair.draft, [prompt], [greedy[:2] + [vocab - 1] + greedy[2:]]) < math.log(2)
+
+
+def test_alpha_is_the_per_proposal_acceptance_whatever_the_gammas():
+    """Steps of gamma 1, 3 and 8 whose proposals are each accepted with probability 0.8 until the
+    first rejection: the fit finds 0.8 (accepted / drafted would say ~0.6)."""
+    rng = random.Random(0)
+    gammas = [rng.choice([1, 3, 8]) for _ in range(20000)]
+    accepted = [next((i for i in range(g) if rng.random() >= 0.8), g) for g in gammas]
+    shares = {g: gammas.count(g) / len(gammas) for g in (1, 3, 8)}
+    assert geometric_alpha(sum(accepted) / len(gammas), shares) == pytest.approx(0.8, abs=0.01)
+    assert sum(accepted) / sum(gammas) < 0.65
+    assert geometric_alpha(5.0, {5: 1.0}) == pytest.approx(1.0) and geometric_alpha(0.0, {5: 1.0}) == pytest.approx(0)
 
 
 def test_jensen_shannon_bounds():

@@ -12,7 +12,7 @@ from transformers import GenerationConfig
 
 from batchspec.decoding import DecodeConfig, RowOptions, decode_batch
 from batchspec.models import load_pair
-from batchspec.tiny import perturbed
+from batchspec.tiny import perturbed, shallow
 
 from policies import Scripted
 
@@ -211,6 +211,24 @@ def test_unrelated_draft_still_exact(case, tiny_pair):
     assert [r.token_ids for r in out.rows] == expected
     rates = [r.stats["acceptance_rate"] for r in out.rows]
     assert sum(rates) / len(rates) < 0.3
+
+
+def test_shallow_draft_still_exact(case):
+    """A draft with fewer layers than the target: its first layer (tiny.shallow, the paying pairs
+    of build_pair(draft_layers=)). With the target's later layer silenced it agrees everywhere."""
+    family, pair, prompts, expected = case
+    draft = shallow(copy.deepcopy(pair.target), 1, nudge=1.0)  # nudge 1: the copied target unchanged
+    assert draft.config.num_hidden_layers == 1
+    out = decode(pair, draft, prompts, gamma=3)
+    assert [r.token_ids for r in out.rows] == expected
+    rates = [r.stats["acceptance_rate"] for r in out.rows]
+    assert 0 < sum(rates) / len(rates) < 1
+    silenced = copy.deepcopy(pair.target)
+    draft = shallow(silenced, 1, nudge=0.0)  # the target's second layer now adds nothing
+    config = DecodeConfig(max_new_tokens=MAX_NEW, eos_token_ids=pair.eos_token_ids, gamma=3)
+    out = decode_batch(silenced, draft, prompts, list(range(len(prompts))), config)
+    stats = [r.stats for r in out.rows]
+    assert sum(s["accepted_tokens"] for s in stats) >= 0.99 * sum(s["draft_tokens"] for s in stats) - 3 * len(prompts)
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma2"])

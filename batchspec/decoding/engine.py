@@ -436,7 +436,8 @@ class BatchDecoder:
         rows, params, drafter, target_kv = self.rows, self.config.sampling, self.drafter, self.target_kv
         B = len(self.tallies)
         behind = drafter.behind if drafter else 0
-        chosen = self.policy.choose(B, self.expected, behind) if drafter else 0
+        left = sum(tally.limit - len(tally.tokens) for tally in self.tallies)  # tokens the rows may still generate
+        chosen = self.policy.choose(B, self.expected, behind, left) if drafter else 0
         if chosen and self.trees and self.policy.tree:
             proposal = drafter.propose_tree(rows.last, chosen)
         elif chosen:

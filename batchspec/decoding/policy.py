@@ -17,9 +17,15 @@ plain target step, the draft sits out.
 - While gamma 0 wins, a probe step with the best gamma > 0 comes after 16 plain steps, then
   after 32, 64, ... 512, and never before the time its estimated loss (what it costs over the
   tokens it should bring) is 1% of the plain steps between probes: a pair that started badly
-  can still switch speculation on later, at a bounded price. The loss includes the draft's
-  catch-up: its first forward also reads every token it skipped, a cost per row and skipped
-  token timed on the steps that did so (those steps do not count towards T).
+  can still switch speculation on later, at a bounded price.
+- The draft's catch-up: after plain steps (and at a batch's start, its prompts) its first
+  forward also reads every token it skipped, a cost per row and skipped token timed on the
+  steps that did so (those steps do not count towards T). It is paid once for all the
+  speculative steps after it, so a step with gamma > 0 is priced with the catch-up spread over
+  the steps the batch has left at that gamma (the tokens its rows may still generate over the
+  step's expected tokens): speculation that clearly pays starts at once, one that barely pays
+  waits while a short batch end would not repay the draft's reading. A probe's loss includes
+  the whole catch-up: if speculation still does not pay, the draft falls behind again.
 - Trees (--tree-width W, or several drafts' chains, with auto): a tree of depth gamma is one
   more choice beside the chain of gamma, with its own step costs and its own run alpha (per
   depth of the accepted path); a row's E with a tree is its chain E times the run's
@@ -124,7 +130,7 @@ class Choice(NamedTuple):
     gamma: int
     tree: bool
     tokens: float  # expected tokens of the step
-    seconds: float  # its expected cost
+    seconds: float  # its expected cost, the draft's catch-up aside
 
 
 class GammaPolicy:
@@ -170,10 +176,11 @@ class GammaPolicy:
         tree_costs = self.tree_costs.estimates(rows, self.gamma_max) if self.tree_costs.cells else costs
         return [e * x for e, x in zip(expected, lift)], tree_costs
 
-    def choose(self, rows: int, expected: list[float] | None, behind: int = 0) -> int:
+    def choose(self, rows: int, expected: list[float] | None, behind: int = 0, left: float = math.inf) -> int:
         """The next step's gamma for `rows` live rows. expected[g]: the tokens they are expected
         to yield with gamma g (None: as many rows at the run's alpha); behind: the tokens the
-        draft must read before it can propose (host int)."""
+        draft must read before it can propose; left: the tokens the rows may still generate,
+        summed (host numbers)."""
         if self.fixed is not None:
             return self.fixed
         costs = self.costs.estimates(rows, self.gamma_max)
@@ -183,8 +190,12 @@ class GammaPolicy:
             a = min(self.alpha, 1 - 1e-6)
             expected = [rows * (1 - a ** (g + 1)) / (1 - a) for g in range(self.gamma_max + 1)]
         arms = [(False, expected, costs)] + ([(True, *self.tree_arm(rows, expected, costs))] if self.trees else [])
-        choices = [Choice(tokens[g] / seconds[g], g, tree, tokens[g], seconds[g])
-                   for tree, tokens, seconds in arms for g in range(int(tree), self.gamma_max + 1)]
+        catch_up = (self.catch_up or 0.0) * rows * behind if behind > 1 else 0.0  # seconds: what the draft reads first
+        choices = []
+        for tree, tokens, seconds in arms:
+            for g in range(int(tree), self.gamma_max + 1):
+                share = catch_up * tokens[g] / max(left, tokens[g]) if g else 0.0  # over left / tokens[g] steps
+                choices.append(Choice(tokens[g] / (seconds[g] + share), g, tree, tokens[g], seconds[g]))
         best = max(choices, key=lambda c: c.rate)  # the first of equals: chains before trees
         self.tree = best.tree
         if best.gamma:
@@ -192,7 +203,6 @@ class GammaPolicy:
             return best.gamma
         self.plain_steps += 1
         probe = max((c for c in choices if c.gamma), key=lambda c: c.rate)
-        catch_up = (self.catch_up or 0.0) * rows * behind
         loss = (probe.seconds + catch_up) / costs[0] - probe.tokens / expected[0]  # in plain steps: cost - yield
         if self.plain_steps < max(self.probe_gap, loss / PROBE_BUDGET):
             return 0
