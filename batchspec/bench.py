@@ -160,10 +160,10 @@ def forward_costs(pair, prompts: list[list[int]], gamma_max: int, repeats: int =
         kv.forward(ids, mask, logits_to_keep=1)
         new = ids[:, -1:].expand(-1, width)
         seconds = []
-        for _ in range(repeats):
+        for _ in range(repeats + 1):  # the first forward at a new width is not timed: it warms up
             seconds.append(timed(lambda: kv.forward(new, torch.ones_like(new)))[0])
             kv.rollback(torch.zeros_like(ids[:, 0]), width, 0)
-        return sorted(seconds)[repeats // 2]
+        return sorted(seconds[1:])[repeats // 2]
 
     return ForwardCosts([median_forward(pair.target, s) for s in range(1, gamma_max + 2)],
                         median_forward(pair.draft, 1) if pair.draft is not None else 0.0)
@@ -288,9 +288,9 @@ def bench_size(pair, prompts, batch_size: int, drafters: list[str], gammas: list
     """Every method at one batch size: a warm-up batch each, then interleaved timed passes
     (counting target forwards and the memory each pass held)."""
     cells = methods(pair, batch_size, drafters, gammas, base, ngram, with_options, samples, schema, tree_widths)
-    costs = forward_costs(pair, prompts[:batch_size], max(gammas + [base.gamma_max]))
     for cell in cells:
         decode_all(pair, cell, cell.prompts(prompts)[:batch_size])  # warm-up; auto measures its costs
+    costs = forward_costs(pair, prompts[:batch_size], max(gammas + [base.gamma_max]))  # warm, as the passes run
     forwards = 0
 
     def count(*_):

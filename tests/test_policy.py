@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from batchspec.decoding.policy import PROBE_LAST, GammaPolicy, StepCosts, expected_tokens
+from batchspec.decoding.policy import PROBE_LAST, RETIME_GAP, GammaPolicy, StepCosts, expected_tokens
 
 ROWS = 4
 
@@ -82,8 +82,25 @@ def test_a_useless_draft_settles_on_plain_steps():
 def test_a_perfect_draft_grows_gamma_to_the_most():
     chosen = simulate(GammaPolicy(gamma_max=8), lambda step: 1.0, lambda g: 1.0 + 0.05 * g, steps=200)
     assert chosen[0] == 0  # a plain step is timed first
-    assert chosen[-50:] == [8] * 50
     assert chosen.index(8) < 50
+    late = chosen[-100:]
+    assert late.count(8) >= 90  # the others only re-timed now and then
+    retimed = [i for i, g in enumerate(late) if g != 8]
+    assert all(b - a >= RETIME_GAP for a, b in zip(retimed, retimed[1:]))
+
+
+@pytest.mark.parametrize("retimes", [True, False])
+def test_a_gamma_timed_slow_once_is_re_timed(retimes, monkeypatch):
+    """gamma 2 is the best (1.63x plain steps) but its first step was timed at 4 s instead of
+    1.5 (a busy machine): re-timing it brings it back; without, gamma 1 (1.38x) stays."""
+    costs = [1.0, 1.3, 1.5, 2.2]
+    policy = GammaPolicy(gamma_max=3)
+    timed(policy, lambda g: 4.0 if g == 2 else costs[g])
+    if not retimes:
+        monkeypatch.setattr(policy, "retime", lambda rows, best, choices: best.gamma)
+    late = simulate(policy, lambda step: 0.8, lambda g: costs[g], steps=600)[-200:]
+    assert (late.count(2) > 0.9 * len(late)) == retimes
+    assert (late.count(1) > 0.9 * len(late)) != retimes
 
 
 def test_a_pair_that_starts_badly_switches_speculation_on_later():
@@ -92,7 +109,8 @@ def test_a_pair_that_starts_badly_switches_speculation_on_later():
     chosen = simulate(GammaPolicy(gamma_max=8), lambda step: 0.0 if step < switch else 0.9,
                       lambda g: 1.0 + 0.1 * g, steps=switch + 2 * PROBE_LAST)
     assert chosen[switch - 500 : switch].count(0) > 490
-    assert all(g >= 3 for g in chosen[-PROBE_LAST // 2 :])
+    late = chosen[-PROBE_LAST // 2 :]
+    assert sum(g >= 3 for g in late) > 0.9 * len(late)
 
 
 def test_a_probe_waits_longer_while_the_draft_must_first_catch_up():

@@ -18,6 +18,10 @@ plain target step, the draft sits out.
   after 32, 64, ... 512, and never before the time its estimated loss (what it costs over the
   tokens it should bring) is 1% of the plain steps between probes: a pair that started badly
   can still switch speculation on later, at a bounded price.
+- While a gamma > 0 wins, another one is re-timed now and then: the one timed longest ago at
+  this B, at least RETIME_GAP steps apart and within the same 1% budget of its estimated loss.
+  A cost is updated only when its gamma runs, and on a busy machine one slow timing would
+  otherwise keep a gamma out for the rest of the run.
 - The draft's catch-up: after plain steps (and at a batch's start, its prompts) its first
   forward also reads every token it skipped, a cost per row and skipped token timed on the
   steps that did so (those steps do not count towards T). It is paid once for all the
@@ -43,7 +47,8 @@ ROW_DECAY = 0.95  # per speculative step: acceptance changes along a completion
 RUN_DECAY = 0.98
 PRIOR_SLOPE = 0.1  # a proposal's cost relative to a plain step, before two gammas were timed
 PROBE_FIRST, PROBE_LAST = 16, 512  # plain steps before a probe of speculation (doubling)
-PROBE_BUDGET = 0.01  # the most of the time an expected-to-lose probe may take
+PROBE_BUDGET = 0.01  # the most of the time an expected-to-lose probe (or re-timing) may take
+RETIME_GAP = 16  # speculative steps at least between two re-timings of another gamma
 TREE_LIFT = 1.25  # a tree's alpha over the chain's, before any tree was checked
 
 
@@ -67,17 +72,23 @@ def row_alpha(accepted: float, checked: float, prior: float) -> float:
 
 
 class StepCosts:
-    """Seconds per step by (live rows B, gamma): moving averages of timed steps, and estimates
-    for cells not timed yet."""
+    """Seconds per step by (live rows B, gamma): moving averages of timed steps (a cell not
+    timed in RETIME_GAP timings starts again from the new one), and estimates for cells not
+    timed yet."""
 
     def __init__(self, weight: float = 0.2):
         self.weight = weight
         self.cells: dict[int, dict[int, float]] = {}  # B -> gamma -> seconds
+        self.timings = 0
+        self.timed_at: dict[tuple[int, int], int] = {}  # (B, gamma) -> the timing that last updated it
 
     def add(self, rows: int, gamma: int, seconds: float) -> None:
         cell = self.cells.setdefault(rows, {})
         old = cell.get(gamma)
-        cell[gamma] = seconds if old is None else old + self.weight * (seconds - old)
+        stale = self.timings - self.timed_at.get((rows, gamma), 0) > RETIME_GAP  # older than any re-timing's gap
+        cell[gamma] = seconds if old is None or stale else old + self.weight * (seconds - old)
+        self.timings += 1
+        self.timed_at[rows, gamma] = self.timings
 
     def estimates(self, rows: int, gamma_max: int) -> list[float] | None:
         """T(rows, g) for g in 0..gamma_max, or None before any step was timed. A batch size
@@ -151,6 +162,7 @@ class GammaPolicy:
         self.accepted, self.checked = PRIOR_ALPHA * PRIOR_WEIGHT, PRIOR_WEIGHT  # decayed run totals
         self.tree_accepted, self.tree_checked = 0.0, 0.0  # decayed totals of the trees' paths
         self.plain_steps, self.probe_gap = 0, PROBE_FIRST
+        self.since_retime = 0  # speculative steps since another gamma than the best was re-timed
         self.catch_up: float | None = None  # seconds a step spends per row and token the draft skipped
 
     @property
@@ -200,7 +212,7 @@ class GammaPolicy:
         self.tree = best.tree
         if best.gamma:
             self.plain_steps, self.probe_gap = 0, PROBE_FIRST
-            return best.gamma
+            return self.retime(rows, best, choices) if behind <= 1 else best.gamma  # a catch-up times no cell
         self.plain_steps += 1
         probe = max((c for c in choices if c.gamma), key=lambda c: c.rate)
         loss = (probe.seconds + catch_up) / costs[0] - probe.tokens / expected[0]  # in plain steps: cost - yield
@@ -209,6 +221,22 @@ class GammaPolicy:
         self.plain_steps, self.probe_gap = 0, min(2 * self.probe_gap, PROBE_LAST)
         self.tree = probe.tree
         return probe.gamma
+
+    def retime(self, rows: int, best: Choice, choices: list[Choice]) -> int:
+        """best's gamma, or another speculative choice's: the one timed longest ago at `rows`,
+        once RETIME_GAP steps have passed and its estimated loss against best is PROBE_BUDGET of
+        the steps since the last re-timing. A cost is updated only when its gamma runs, so a
+        slow timing (a busy machine, an eviction) would otherwise keep a gamma out for good."""
+        self.since_retime += 1
+        others = [c for c in choices if c.gamma and (c.gamma, c.tree) != (best.gamma, best.tree)]
+        if not others:
+            return best.gamma
+        oldest = min(others, key=lambda c: (self.tree_costs if c.tree else self.costs).timed_at.get((rows, c.gamma), 0))
+        loss = oldest.seconds / best.seconds - oldest.tokens / best.tokens  # in best steps: cost - yield
+        if self.since_retime < max(RETIME_GAP, loss / PROBE_BUDGET):
+            return best.gamma
+        self.since_retime, self.tree = 0, oldest.tree
+        return oldest.gamma
 
     def observe(self, rows: int, gamma: int, accepted: int, checked: int, seconds: float | None,
                 behind: int = 0, tree: bool = False) -> None:
