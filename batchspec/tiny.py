@@ -150,7 +150,7 @@ def build_pair(
 ) -> tuple[Path, Path]:
     """Write a tiny target and its draft (same tokenizer) under `folder`; return both paths. The
     draft is the target plus `noise` times each tensor's std, or with draft_layers (decoder-only
-    families) the target's first draft_layers layers, its later layers' matrices scaled by `noise`."""
+    families) the target's first draft_layers layers, its later layers' weights scaled by `noise`."""
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
     config = build_config(family, tokenizer, size, layers, window)

@@ -421,6 +421,7 @@ class BatchDecoder:
         for tally, prompt in zip(self.tallies, decoder_prompts):  # the prefill (or the encoding) is a forward
             tally.target_forwards = int(len(prompt) > 1 or source is not None)  # a 1-token prompt needs none
         self.expected: list[float] | None = None  # tokens the live rows should yield per gamma (auto)
+        self.left = sum(limits)  # tokens the live rows may still generate (auto: kept by expected_tokens)
         self.results: list[RowOutput | None] = [None] * len(prompts)
         self.totals = {"slots": 0, "empty_slots": 0, "verify_steps": 0, "compactions": 0}
         self.padding_fraction = 1.0 - float(mask.float().mean())
@@ -436,8 +437,7 @@ class BatchDecoder:
         rows, params, drafter, target_kv = self.rows, self.config.sampling, self.drafter, self.target_kv
         B = len(self.tallies)
         behind = drafter.behind if drafter else 0
-        left = sum(tally.limit - len(tally.tokens) for tally in self.tallies)  # tokens the rows may still generate
-        chosen = self.policy.choose(B, self.expected, behind, left) if drafter else 0
+        chosen = self.policy.choose(B, self.expected, behind, self.left) if drafter else 0
         if chosen and self.trees and self.policy.tree:
             proposal = drafter.propose_tree(rows.last, chosen)
         elif chosen:
@@ -512,7 +512,8 @@ class BatchDecoder:
     def expected_tokens(self, n: list[float], lengths: list[int], finished: list[float]) -> list[float]:
         """[G+1]: tokens the rows still live after this step are expected to yield per gamma
         with a chain, each at its own alpha (updated with this step's n of `lengths` proposals,
-        none after a tree) and remaining limit; on the host, from the step's sync."""
+        none after a tree) and remaining limit; on the host, from the step's sync. Also sets
+        self.left, those remaining limits summed."""
         alphas, remaining = [], []
         for tally, k, proposed, done in zip(self.tallies, n, lengths, finished):
             if any(lengths):  # a speculative step: the rows' acceptance, older steps fading
@@ -521,6 +522,7 @@ class BatchDecoder:
             if not done:
                 alphas.append(row_alpha(*tally.seen, self.policy.alpha))
                 remaining.append(tally.limit - len(tally.tokens))
+        self.left = sum(remaining)
         return expected_tokens(alphas, remaining, self.policy.gamma_max)
 
     def evict(self, finished: torch.Tensor, finished_host: list[float], stopped_host: list[float]) -> None:
