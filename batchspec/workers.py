@@ -17,7 +17,8 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 from batchspec.config import RunConfig, as_toml
-from batchspec.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_ROW_ERRORS, StopSignals, UsageError, UserError, say
+from batchspec.errors import (EXIT_INTERRUPTED, EXIT_OK, EXIT_ROW_ERRORS, STOP_SIGNALS, StopSignals, UsageError,
+                              UserError, say)
 from batchspec.merge import merge
 from batchspec.sink import OutputPaths, locked
 from batchspec.sources import input_size
@@ -71,6 +72,12 @@ class Worker:
     def last_words(self) -> str:
         lines = self.log.read_text(errors="replace").strip().splitlines()
         return lines[-1] if lines else "(empty log)"
+
+    def exit_code(self) -> int:
+        """Its exit code; a worker killed by a stop signal counts as interrupted (a forwarded signal
+        can land after it dropped its handlers, on its way out: its shard resumes either way)."""
+        code = self.process.returncode
+        return EXIT_INTERRUPTED if -code in STOP_SIGNALS else code
 
     def failure(self, count: int) -> str:
         code = self.process.returncode
@@ -155,11 +162,11 @@ def wait(workers: list[Worker], template: str, total_rows: int | None, progress:
 
 def finish(workers: list[Worker], template: str, out: str) -> int:
     """Merge when every worker finished; else report the ones that did not."""
-    failed = [w for w in workers if w.process.returncode not in (EXIT_OK, EXIT_ROW_ERRORS)]
+    failed = [w for w in workers if w.exit_code() not in (EXIT_OK, EXIT_ROW_ERRORS)]
     if failed:
         say("\n".join(w.failure(len(workers)) for w in failed))
         say(f"{len(failed)} of {len(workers)} workers did not finish; rerun the same command to resume their shards")
-        codes = {w.process.returncode for w in failed}
+        codes = {w.exit_code() for w in failed}
         if codes == {EXIT_INTERRUPTED}:
             return EXIT_INTERRUPTED
         raise (UsageError if codes == {UsageError.exit_code} else UserError)(f"{out} was not merged")

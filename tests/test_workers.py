@@ -4,9 +4,12 @@ CPU workers against the single-process run of the same input."""
 import os
 import signal
 import subprocess
+from types import SimpleNamespace
 
 import orjson
 import pytest
+
+from batchspec.workers import Worker, finish
 
 from test_job import ENV, assert_same_as_reference, cli, run_cli, run_here, setup, sidecar, wait_for_records  # noqa: F401
 
@@ -66,11 +69,28 @@ def test_a_stop_signal_reaches_every_worker(setup, tmp_path):
     parent.send_signal(signal.SIGUSR1)
     _, stderr = parent.communicate(timeout=300)
     assert parent.returncode == 75, stderr
-    assert [s["exit_code"] for s in shard_summaries(out)] == [75, 75]
+    summaries = shard_summaries(out)
+    assert summaries[0]["exit_code"] == 75  # the signal came while worker 0 was decoding
+    assert all(s["exit_code"] == 75 or s["finished"] for s in summaries)  # worker 1 may have finished first
     assert not out.exists()
     result = subprocess.run(devices_run(setup, out), env=ENV, capture_output=True, text=True, timeout=300)
     assert result.returncode == 3, result.stderr
     assert_same_as_reference(out, setup)
+
+
+def test_a_worker_the_stop_signal_kills_on_its_way_out_counts_as_interrupted(tmp_path):
+    """The forwarded signal can land after a worker dropped its handlers: it dies of it, and the
+    run is still resumable (75), not failed (1)."""
+    workers = []
+    for index, code in enumerate((-signal.SIGUSR1, 75)):
+        worker = Worker.__new__(Worker)  # a finished process, without starting one
+        worker.index, worker.device, worker.log = index, "cpu", tmp_path / f"part-{index}.log"
+        worker.process = SimpleNamespace(returncode=code)
+        worker.log.write_text("stopping\n")
+        workers.append(worker)
+    killed, stopped = workers
+    assert finish([killed, stopped], str(tmp_path / "part-{shard}.jsonl"), str(tmp_path / "out.jsonl")) == 75
+    assert killed.exit_code() == 75 and not (tmp_path / "out.jsonl").exists()
 
 
 @pytest.mark.parametrize(("args", "message"), [
