@@ -110,8 +110,10 @@ class Cell:
         return self.total("accepted_tokens") / steps if steps else None
 
     def gammas_used(self) -> str:
-        """Share of row-steps per gamma, e.g. "0:10% 3:90%"."""
+        """Share of row-steps per gamma, e.g. "0:10% 3:90%", each row's first step left out (the
+        prefill's, plain: not a choice)."""
         counts = [sum(column) for column in zip(*(s["gamma_histogram"] for s in self.stats))]
+        counts[:1] = [counts[0] - len(self.stats)] if counts else []
         steps = sum(counts)
         return " ".join(f"{g}:{100 * c / steps:.0f}%" for g, c in enumerate(counts) if c) if steps else ""
 

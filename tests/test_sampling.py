@@ -107,9 +107,9 @@ def test_sampling_matches_target(models, target_samples, setting, mode):
     draft = None if mode in ("ar", "ngram") else draft
     out, ours = our_samples(target, draft, SETTINGS[setting], policy=policy,
                             ngram=LOOKUP if mode in ("ngram", "hybrid") else None)
-    if mode != "ar":  # the proposals differ enough from p that the residual path is exercised a lot
+    if mode != "ar":  # proposals accepted and (far more with n-gram lookup) rejected: both paths run a lot
         rates = [r.stats["acceptance_rate"] for r in out.rows if r.stats["draft_tokens"]]
-        assert 0.05 < sum(rates) / len(rates) < 0.9
+        assert 0.02 < sum(rates) / len(rates) < 0.9
     if mode == "hybrid":
         assert all(sum(r.stats[k] for r in out.rows) > SAMPLES for k in ("model_steps", "ngram_steps"))
     p = p_values(ours, target_samples[setting])

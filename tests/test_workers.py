@@ -11,7 +11,8 @@ import pytest
 
 from batchspec.workers import Worker, finish
 
-from test_job import ENV, assert_same_as_reference, cli, run_cli, run_here, setup, sidecar, wait_for_records  # noqa: F401
+from test_job import (ENV, assert_same_as_reference, cli, run_cli, run_here, setup,  # noqa: F401
+                      sidecar, wait_for_records)
 
 
 def devices_run(setup, out) -> list[str]:

@@ -20,6 +20,9 @@ Each step, for B live rows:
               mask; the drafter cuts its own state.
   7. evict:   finished rows leave the batch and the caches; compact when holes pile up.
 
+The first step is the prefill's: a plain step whose forward is the one over the prompts (the
+target then holds them whole), so N tokens decoded plainly cost N target forwards, as in generate.
+
 The step reads the device once (one host sync): accepted lengths, the emitted tokens, which rows
 finished, and what the policy and the caches need. Each row's tokens and statistics are kept on
 the host from there (Tally), so a finished row leaves without another read. Rows with a grammar
@@ -243,33 +246,36 @@ def start_rows(row_ids, limits: list[int], seeds: list[int], stop_ids: list[list
 
 
 def prefill(target, ids: torch.Tensor, mask: torch.Tensor, prompts: list[list[int]], share: bool = True,
-            source: tuple[torch.Tensor, torch.Tensor] | None = None) -> BatchKV:
-    """The target's cache holding every decoder prompt but its last token (ids, mask: [B, P]).
-    An encoder–decoder target first encodes `source` (the prompts, right-padded). share: a
-    prompt that several rows hold (n samples of one request) is prefilled once, its cache copied."""
+            source: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[BatchKV, torch.Tensor]:
+    """The target's cache holding every decoder prompt (ids, mask: [B, P]), and its logits after
+    each [B, 1, V]: the first step's. An encoder–decoder target first encodes `source` (the
+    prompts, right-padded). share: a prompt that several rows hold (n samples of one request) is
+    prefilled once, its cache copied."""
     first: dict[tuple | int, int] = {}
     origin = [first.setdefault(tuple(prompt) if share else b, b) for b, prompt in enumerate(prompts)]  # [B]
     distinct = list(first.values())  # [U]
     kv = model_cache(target, len(distinct), ids.device, source and (source[0][distinct], source[1][distinct]))
-    if ids.shape[1] > 1:  # else nothing to prefill (a 1-token prompt, a decoder's start token)
-        kv.forward(ids[distinct, :-1], mask[distinct, :-1], logits_to_keep=1)
+    logits = kv.forward(ids[distinct], mask[distinct], logits_to_keep=1)  # [U, 1, V]
     if len(distinct) < len(prompts):
         at = {b: k for k, b in enumerate(distinct)}
-        kv.select(torch.tensor([at[b] for b in origin], device=ids.device))
-    return kv
+        rows = torch.tensor([at[b] for b in origin], device=ids.device)  # [B]
+        kv.select(rows)
+        logits = logits[rows]
+    return kv, logits
 
 
 def verify(target_kv: BatchKV, rows: Rows, proposal: Proposal, lengths: torch.Tensor | None, params: SamplingParams,
-           processors: Processors, logprobs: bool):
+           processors: Processors, logprobs: bool, known: torch.Tensor | None = None):
     """The target scores [last, d_1..d_G] in one forward. lengths: [B] proposals per row (None:
-    all G). Returns n [B], next_token [B], when asked the raw log-softmax [B, G+1, V] of the
-    target's logits (before any processing or warping), and the proposal as checked (a tree's:
-    each row's accepted path)."""
+    all G); known: the logits [B, 1, V] after `last` when they are known (the prefill's, for a
+    first plain step: no forward). Returns n [B], next_token [B], when asked the raw log-softmax
+    [B, G+1, V] of the target's logits (before any processing or warping), and the proposal as
+    checked (a tree's: each row's accepted path)."""
     if proposal.parents is not None:
         return verify_tree(target_kv, rows, proposal, processors, logprobs)
     draft_tokens, gamma = proposal.tokens, proposal.width
     inputs = torch.cat([rows.last[:, None], draft_tokens], dim=1)  # [B, G+1]
-    logits = target_kv.forward(inputs, torch.ones_like(inputs))  # [B, G+1, V]
+    logits = target_kv.forward(inputs, torch.ones_like(inputs)) if known is None else known  # [B, G+1, V]
     raw = torch.log_softmax(logits.float(), dim=-1) if logprobs else None
     logits = processors(logits, draft_tokens, rows.produced)
     if params.greedy:
@@ -396,7 +402,8 @@ class BatchDecoder:
         source = padded(prompts, device, left=False) if target.config.is_encoder_decoder else None
         decoder_prompts = prompts if source is None else [decoder_prefix(target)] * len(prompts)
         ids, mask = padded(decoder_prompts, device)  # [B, P]
-        self.target_kv = prefill(target, ids, mask, prompts, config.share_prefill, source)
+        # the prefill runs every prompt through: its logits make the first step, a plain one
+        self.target_kv, self.first_logits = prefill(target, ids, mask, prompts, config.share_prefill, source)
         vocab = target.get_output_embeddings().weight.shape[0]
         grammars = [o.grammar for o in options]
         self.grammar = GrammarRows(grammars, tokenizer, vocab, config.eos_token_ids, device,
@@ -411,15 +418,15 @@ class BatchDecoder:
         seeds = [config.seed if o.seed is None else o.seed for o in options]
         stop_ids = [o.ending_ids(config.eos_token_ids) for o in options]
         self.rows = start_rows(row_ids, limits, seeds, stop_ids, config, gamma_max, device)
-        self.rows.last = ids[:, -1]  # the last prompt token is fed by the first step, like any newest token
+        self.rows.last = ids[:, -1]  # the drafters owe the last prompt token, like any newest token
         self.processors = Processors(options, decoder_prompts, self.rows.stop_ids, vocab, device,
                                      forced_tokens(config, limits, gamma_max, device), self.grammar)
         self.top_logprobs = max((o.logprobs for o in options if o.logprobs is not None), default=None)
         stops = [StopStrings(o.stop, tokenizer, o.include_stop_str) if o.stop else None for o in options]
         self.tallies = [Tally(b, gamma_max, width, limit, stop, o.logprobs)
                         for b, (o, limit, stop) in enumerate(zip(options, limits, stops))]  # the live rows, in order
-        for tally, prompt in zip(self.tallies, decoder_prompts):  # the prefill (or the encoding) is a forward
-            tally.target_forwards = int(len(prompt) > 1 or source is not None)  # a 1-token prompt needs none
+        for tally in self.tallies:  # an encoder–decoder's encoding is a forward (the prefill is the first step's)
+            tally.target_forwards = int(source is not None)
         self.expected: list[float] | None = None  # tokens the live rows should yield per gamma (auto)
         self.left = sum(limits)  # tokens the live rows may still generate (auto: kept by expected_tokens)
         self.results: list[RowOutput | None] = [None] * len(prompts)
@@ -436,21 +443,22 @@ class BatchDecoder:
         started = time.perf_counter()
         rows, params, drafter, target_kv = self.rows, self.config.sampling, self.drafter, self.target_kv
         B = len(self.tallies)
+        known, self.first_logits = self.first_logits, None  # the prefill's: the first step is plain
         behind = drafter.behind if drafter else 0
-        chosen = self.policy.choose(B, self.expected, behind, self.left) if drafter else 0
+        chosen = self.policy.choose(B, self.expected, behind, self.left) if drafter and known is None else 0
         if chosen and self.trees and self.policy.tree:
             proposal = drafter.propose_tree(rows.last, chosen)
         elif chosen:
             u = None if params.greedy else rows.uniform(DRAFT, chosen)  # [B, gamma]
             process = self.process_draft if self.processors.active else None
             proposal = drafter.propose(rows.last, chosen, params, u, process)
-        elif self.jump:  # a plain step, but what the grammars force costs no draft forward
+        elif self.jump and known is None:  # a plain step, but what the grammars force costs no draft forward
             proposal = self.jump.propose(rows.last, self.policy.gamma_max, params, None)
         else:
             proposal = Proposal.none(rows.last)
         lengths, top = proposal.short_lengths(), self.top_logprobs
         n, next_token, raw, proposal = verify(target_kv, rows, proposal, lengths, params, self.processors,
-                                              top is not None)
+                                              top is not None, known)
         gamma, draft_tokens = proposal.width, proposal.tokens
         won = proposal.path.gather(1, n[:, None]) if proposal.path is not None else n[:0]  # [B, 1]: a tree's node
         slots, empty_slots = target_kv.mask.numel(), (target_kv.mask == 0).sum()

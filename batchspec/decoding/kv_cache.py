@@ -15,6 +15,8 @@ A token tree (decoding/tree.py) is appended with forward_tree: its slots see the
 own ancestors only, at position past + depth; take_tree then keeps one path of it, in order.
 """
 
+import inspect
+
 import torch
 from transformers import DynamicCache
 
@@ -27,6 +29,12 @@ SLOT_ALIBI = {"mpt"}  # ALiBi over cache slots, not positions: rollback holes ch
 def uses_alibi(config) -> bool:
     """Whether a model's forward reads the 2D mask for its ALiBi biases (so takes no tree mask)."""
     return config.model_type in ALIBI_MODELS or getattr(config, "alibi", False) is True
+
+
+def cache_keyword(model) -> str:
+    """The name a model's forward takes its cache by: `cache` from transformers 5.24 on (where the
+    old `past_key_values` warns at every call, and goes in 5.40), `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def padded(prompts: list[list[int]], device, left: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,6 +58,7 @@ class BatchKV:
         self.window = getattr(text_config, "sliding_window", None)  # how far sliding layers look back
         self.layer_types = getattr(text_config, "layer_types", None)  # None: every layer slides
         self.cache = self.new_cache()
+        self.cache_keyword = cache_keyword(model)
         self.alibi = uses_alibi(model.config)
         self.mask = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # [B, L]
         self.tree: tuple[int, torch.Tensor, int] | None = None  # the open tree: first slot, parents [B, T], depth
@@ -116,9 +125,9 @@ class BatchKV:
             input_ids=input_ids,
             attention_mask=self.mask if self.alibi else self.attention_masks(seen, positions),
             position_ids=positions[:, -input_ids.shape[1] :],
-            past_key_values=self.cache,
             use_cache=True,
             logits_to_keep=logits_to_keep,
+            **{self.cache_keyword: self.cache},
         )
         return out.logits
 

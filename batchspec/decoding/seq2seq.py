@@ -123,8 +123,8 @@ class Seq2SeqKV(BatchKV):
                 attention_mask=self.additive(self.source_mask.bool()[:, None, None, :]),  # [B, 1, 1, P]: no sync
                 decoder_input_ids=input_ids,
                 decoder_attention_mask=self.attention_masks(seen, positions),
-                past_key_values=self.cache,
                 use_cache=True,
+                **{self.cache_keyword: self.cache},
             )
         finally:
             self.positions.positions = None

@@ -29,7 +29,8 @@ def fit_width(logits: torch.Tensor, vocab: int) -> torch.Tensor:
 class ModelDrafter:
     def __init__(self, model, ids: torch.Tensor, mask: torch.Tensor, vocab: int, newest: list[int],
                  source: tuple[torch.Tensor, torch.Tensor] | None = None):
-        """A draft that owes each prompt but its last token (the newest, fed by the first step).
+        """A draft that owes each prompt but its last token (the newest, which the prefill's plain
+        step adds to what it owes).
         ids, mask: [B, P] left-padded (an encoder–decoder's decoder prompts); vocab: the
         target's logit width; newest: each prompt's last token (host); source: an
         encoder–decoder draft's prompts, right-padded."""
