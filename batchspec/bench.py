@@ -159,11 +159,11 @@ def forward_costs(pair, prompts: list[list[int]], gamma_max: int, repeats: int =
 
     def median_forward(model, width: int) -> float:
         kv = model_cache(model, len(prompts), device, source)
-        kv.forward(ids, mask, logits_to_keep=1)
+        kv.forward(ids, None if mask.all() else mask, logits_to_keep=1)  # no pad: dense, as the decoder's
         new = ids[:, -1:].expand(-1, width)
         seconds = []
         for _ in range(repeats + 1):  # the first forward at a new width is not timed: it warms up
-            seconds.append(timed(lambda: kv.forward(new, torch.ones_like(new)))[0])
+            seconds.append(timed(lambda: kv.forward(new))[0])
             kv.rollback(torch.zeros_like(ids[:, 0]), width, 0)
         return sorted(seconds[1:])[repeats // 2]
 

@@ -38,3 +38,9 @@ def test_spec_and_ar_equal_target_alone(family, tiny_pair):
             continue
         out = decode_batch(pair.target, draft, prompts, list(range(len(prompts))), tree)
         assert [r.token_ids for r in out.rows] == expected
+    even = random_prompts(len(pair.tokenizer), [30, 30], seed=1)  # no pad: the cache starts dense
+    for rows, wanted in ((prompts[1:2], expected[1:2]),  # one row: no hole either, the model's own mask
+                         (even, [reference(pair.target, p, pair.eos_token_ids, MAX_NEW) for p in even])):
+        for draft in (pair.draft, None):
+            out = decode_batch(pair.target, draft, rows, list(range(len(rows))), config)
+            assert [r.token_ids for r in out.rows] == wanted

@@ -46,7 +46,8 @@ class OpReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-MODES = ["auto", "switching", "ar", "ngram", "hybrid", "options", "tree"]  # tree: with options
+MODES = ["auto", "switching", "ar", "ngram", "hybrid", "options", "tree",  # tree: with options
+         "even", "single"]  # rows of one length (ar), one row (switching): the model's own causal mask
 CASES = [(family, mode) for family in ("llama", "mistral") for mode in MODES] + [
     ("bart", mode) for mode in ("switching", "hybrid", "options")]  # an encoder–decoder, forced EOS
 
@@ -56,23 +57,31 @@ CASES = [(family, mode) for family in ("llama", "mistral") for mode in MODES] + 
 def test_every_step_reads_the_device_once(tiny_pair, family, mode, temperature):
     target, draft = tiny_pair(family, **({"window": 12} if family == "mistral" else {}))
     pair = load_pair(str(target), str(draft), dtype="float32", device="cpu")
-    prompts = random_prompts(len(pair.tokenizer), [3, 17, 1, 9])
+    lengths = {"even": [9, 9, 9, 9], "single": [17]}.get(mode, [3, 17, 1, 9])
+    prompts = random_prompts(len(pair.tokenizer), lengths)
     config = DecodeConfig(max_new_tokens=12, eos_token_ids=pair.eos_token_ids, gamma_max=4, compact_at=1.0,
                           sampling=SamplingParams(temperature=temperature),
                           ngram=(1, 3) if mode in ("ngram", "hybrid") else None, tree_width=3 if mode == "tree" else 1)
-    scripted = mode in ("switching", "ngram", "hybrid", "options", "tree")
+    scripted = mode in ("switching", "ngram", "hybrid", "options", "tree", "single")
     policy = Scripted([0, 3, 0, 0, 4, 1], gamma_max=4, trees=mode == "tree") if scripted else None
-    draft = pair.draft if mode in ("auto", "switching", "hybrid", "options", "tree") else None
+    draft = pair.draft if mode in ("auto", "switching", "hybrid", "options", "tree", "single") else None
     options = [RowOptions(max_new_tokens=k) for k in (12, 5, 9, 2)]  # rows finish at different steps
+    if mode == "single":
+        options = [RowOptions(max_new_tokens=12, ignore_eos=True)]  # enough steps
     if mode in ("options", "tree"):  # stop strings (rows end on the host), logprobs, processing
         options = [replace(o, stop=("e", "zz") if b else (), logprobs=2, repetition_penalty=1.2, frequency_penalty=0.5,
                            min_tokens=1, logit_bias={5: 1.0}) for b, o in enumerate(options)]
-    decoder = BatchDecoder(pair.target, draft, prompts, list(range(4)), config, options, policy, pair.tokenizer)
+    decoder = BatchDecoder(pair.target, draft, prompts, list(range(len(prompts))), config, options, policy,
+                           pair.tokenizer)
+    dense = mode in ("even", "single")  # the model makes its own causal mask
+    assert (decoder.target_kv.dense and decoder.target_kv.maskless) == dense
     steps = []
     while not decoder.done:
         with FunctionReads() as calls, OpReads() as ops:
             decoder.step()
         steps.append(calls.counts + ops.counts)
     assert len(steps) >= 5 and all(reads == {"tolist": 1} for reads in steps), steps
+    assert (decoder.target_kv.dense and decoder.target_kv.maskless) == dense  # a row alone, or rows of one length
+    # decoded plainly, stay dense
     timed = decoder.policy.costs.cells  # the steps were timed all the same: B -> gamma -> seconds
     assert mode != "auto" or {0}.issubset(timed[4]) and set(timed) <= {1, 2, 3, 4}

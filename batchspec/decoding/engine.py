@@ -245,17 +245,17 @@ def start_rows(row_ids, limits: list[int], seeds: list[int], stop_ids: list[list
     )
 
 
-def prefill(target, ids: torch.Tensor, mask: torch.Tensor, prompts: list[list[int]], share: bool = True,
+def prefill(target, ids: torch.Tensor, mask: torch.Tensor | None, prompts: list[list[int]], share: bool = True,
             source: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[BatchKV, torch.Tensor]:
-    """The target's cache holding every decoder prompt (ids, mask: [B, P]), and its logits after
-    each [B, 1, V]: the first step's. An encoder–decoder target first encodes `source` (the
-    prompts, right-padded). share: a prompt that several rows hold (n samples of one request) is
-    prefilled once, its cache copied."""
+    """The target's cache holding every decoder prompt (ids, mask: [B, P]; mask None: no pad),
+    and its logits after each [B, 1, V]: the first step's. An encoder–decoder target first
+    encodes `source` (the prompts, right-padded). share: a prompt that several rows hold (n
+    samples of one request) is prefilled once, its cache copied."""
     first: dict[tuple | int, int] = {}
     origin = [first.setdefault(tuple(prompt) if share else b, b) for b, prompt in enumerate(prompts)]  # [B]
     distinct = list(first.values())  # [U]
     kv = model_cache(target, len(distinct), ids.device, source and (source[0][distinct], source[1][distinct]))
-    logits = kv.forward(ids[distinct], mask[distinct], logits_to_keep=1)  # [U, 1, V]
+    logits = kv.forward(ids[distinct], mask if mask is None else mask[distinct], logits_to_keep=1)  # [U, 1, V]
     if len(distinct) < len(prompts):
         at = {b: k for k, b in enumerate(distinct)}
         rows = torch.tensor([at[b] for b in origin], device=ids.device)  # [B]
@@ -275,7 +275,7 @@ def verify(target_kv: BatchKV, rows: Rows, proposal: Proposal, lengths: torch.Te
         return verify_tree(target_kv, rows, proposal, processors, logprobs)
     draft_tokens, gamma = proposal.tokens, proposal.width
     inputs = torch.cat([rows.last[:, None], draft_tokens], dim=1)  # [B, G+1]
-    logits = target_kv.forward(inputs, torch.ones_like(inputs)) if known is None else known  # [B, G+1, V]
+    logits = target_kv.forward(inputs) if known is None else known  # [B, G+1, V]
     raw = torch.log_softmax(logits.float(), dim=-1) if logprobs else None
     logits = processors(logits, draft_tokens, rows.produced)
     if params.greedy:
@@ -403,7 +403,9 @@ class BatchDecoder:
         decoder_prompts = prompts if source is None else [decoder_prefix(target)] * len(prompts)
         ids, mask = padded(decoder_prompts, device)  # [B, P]
         # the prefill runs every prompt through: its logits make the first step, a plain one
-        self.target_kv, self.first_logits = prefill(target, ids, mask, prompts, config.share_prefill, source)
+        even = len({len(p) for p in decoder_prompts}) == 1  # no pad: the target's cache starts dense
+        self.target_kv, self.first_logits = prefill(target, ids, None if even else mask, prompts, config.share_prefill,
+                                                    source)
         vocab = target.get_output_embeddings().weight.shape[0]
         grammars = [o.grammar for o in options]
         self.grammar = GrammarRows(grammars, tokenizer, vocab, config.eos_token_ids, device,

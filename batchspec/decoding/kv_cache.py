@@ -51,6 +51,8 @@ def padded(prompts: list[list[int]], device, left: bool = True) -> tuple[torch.T
 
 
 class BatchKV:
+    maskless = True  # while dense, the model builds its own causal mask (decoder-only models read nothing back)
+
     def __init__(self, model, batch_size: int, device: torch.device):
         self.model = model
         self.last_id = model.get_input_embeddings().num_embeddings - 1  # wider ids go in as this one
@@ -61,6 +63,7 @@ class BatchKV:
         self.cache_keyword = cache_keyword(model)
         self.alibi = uses_alibi(model.config)
         self.mask = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # [B, L]
+        self.dense = True  # host: the mask holds no 0 (no pad, no hole): slots are positions
         self.tree: tuple[int, torch.Tensor, int] | None = None  # the open tree: first slot, parents [B, T], depth
 
     def new_cache(self):
@@ -70,20 +73,29 @@ class BatchKV:
     def length(self) -> int:
         return self.mask.shape[1]
 
-    def forward(self, input_ids: torch.Tensor, input_mask: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, input_mask: torch.Tensor | None = None,
+                logits_to_keep: int = 0) -> torch.Tensor:
         """Append S slots and return their logits.
 
-        input_ids, input_mask: [B, S] (mask 0 = a slot no query will ever attend to)
+        input_ids, input_mask: [B, S] (mask 0 = a slot no query will ever attend to; None: no 0)
         Returns logits [B, S, V] (or the last `logits_to_keep` positions).
         An id beyond the model's embeddings (a draft covering only part of the target's
         vocabulary) goes in as its last id: it only makes a draft's proposals worse.
+        While the cache stays dense (a batch of one row, rows of one length decoded plainly),
+        the model's own causal attention is ours: a maskless model gets no mask (cheaper).
         """
+        self.dense = self.dense and input_mask is None
+        input_mask = torch.ones_like(input_ids) if input_mask is None else input_mask
         self.mask = torch.cat([self.mask, input_mask], dim=1)  # [B, L+S]
         positions = (self.mask.cumsum(-1) - 1).clamp_(min=0)  # [B, L+S]
-        S, slot = input_ids.shape[1], torch.arange(self.length, device=self.mask.device)  # [L+S]
-        own = slot[None, :] == slot[-S:, None]  # [S, L+S]
-        seen = self.mask.bool()[:, None, :] & (slot[None, :] <= slot[-S:, None]) | own  # [B, S, L+S]
+        seen = None if self.dense and self.maskless else self.causal(input_ids.shape[1])
         return self.run(input_ids.clamp(max=self.last_id), positions, seen, logits_to_keep)
+
+    def causal(self, S: int) -> torch.Tensor:
+        """[B, S, L]: the slots each of the last S attends to: its row's, up to itself."""
+        slot = torch.arange(self.length, device=self.mask.device)  # [L]
+        own = slot[None, :] == slot[-S:, None]  # [S, L]
+        return self.mask.bool()[:, None, :] & (slot[None, :] <= slot[-S:, None]) | own  # [B, S, L]
 
     def forward_tree(self, input_ids: torch.Tensor, parents: torch.Tensor, depth: int) -> torch.Tensor:
         """Append S tree slots (ids [B, S]) and return their logits [B, S, V]. parents [B, S]: each
@@ -120,7 +132,7 @@ class BatchKV:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, seen: torch.Tensor,
             logits_to_keep: int) -> torch.Tensor:
         """The model's forward over the last S slots of the mask (ids [B, S]; positions [B, L]:
-        every slot's; seen [B, S, L]: the slots each attends to, itself included)."""
+        every slot's; seen [B, S, L]: the slots each attends to, itself included; None: causal)."""
         out = self.model(
             input_ids=input_ids,
             attention_mask=self.mask if self.alibi else self.attention_masks(seen, positions),
@@ -137,7 +149,9 @@ class BatchKV:
         only those fewer than `window` positions back (positions [B, L]); one mask, or one per
         layer type when the model mixes them. A slot always sees itself, so a pad's or a hole's
         (unused) query is never left empty. Boolean (True = attend), or additive floats for
-        eager attention, which adds its mask to the scores."""
+        eager attention, which adds its mask to the scores. seen None: None (the model's own)."""
+        if seen is None:
+            return None
         masks = {}
         if self.window is None or self.layer_types is not None:
             masks["full_attention"] = seen
@@ -161,6 +175,7 @@ class BatchKV:
 
         The cache is cut to the longest kept row; shorter rows' extra slots become holes.
         """
+        self.dense = self.dense and (len(keep) == 1 or not max_keep)  # else a row may keep fewer
         self.cache.crop(max_keep - appended)  # a negative count drops that many slots
         self.mask = self.mask[:, : self.length - appended + max_keep]
         if max_keep:

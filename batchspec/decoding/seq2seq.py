@@ -102,6 +102,8 @@ class Seq2SeqKV(BatchKV):
     """An encoder–decoder model's state for a static batch: the encoder's output for each row's
     prompt, and the decoder's cache, masked, rolled back, evicted and compacted as BatchKV's."""
 
+    maskless = False  # a decoder given no mask makes one of ones and reads it back (a sync)
+
     def __init__(self, model, source: tuple[torch.Tensor, torch.Tensor]):
         """source: the prompts, right-padded: ids, mask [B, P]."""
         ids, mask = source
