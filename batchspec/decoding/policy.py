@@ -14,6 +14,11 @@ plain target step, the draft sits out.
   step's one sync: no sync added, and on a GPU it holds the launches and the wait alike). A
   gamma not timed yet at B is estimated from those that were (linear in gamma, or carried over
   from the nearest B), tried when that estimate says it pays, and timed then.
+- Speculation is chosen only when it promises MARGIN more tokens per second than a plain step:
+  the costs are noisy timings, and the best of noisy estimates is the one most likely
+  underestimated (the optimizer's curse), so a gain promised within the noise is more often a
+  loss (traced: gamma 1 promised ~4 % at batch 8 and ran at 0.87x plain). A gain under
+  MARGIN forgone leaves auto within MARGIN of that gamma.
 - While gamma 0 wins, a probe step with the best gamma > 0 comes after 16 plain steps, then
   after 32, 64, ... 512, and never before the time its estimated loss (what it costs over the
   tokens it should bring) is 1% of the plain steps between probes: a pair that started badly
@@ -50,6 +55,7 @@ PROBE_FIRST, PROBE_LAST = 16, 512  # plain steps before a probe of speculation (
 PROBE_BUDGET = 0.01  # the most of the time an expected-to-lose probe (or re-timing) may take
 RETIME_GAP = 16  # speculative steps at least between two re-timings of another gamma
 TREE_LIFT = 1.25  # a tree's alpha over the chain's, before any tree was checked
+MARGIN = 0.05  # the least gain in expected tokens per second over a plain step that speculation needs
 
 
 def expected_tokens(alphas: list[float], remaining: list[int], gamma_max: int) -> list[float]:
@@ -209,6 +215,8 @@ class GammaPolicy:
                 share = catch_up * tokens[g] / max(left, tokens[g]) if g else 0.0  # over left / tokens[g] steps
                 choices.append(Choice(tokens[g] / (seconds[g] + share), g, tree, tokens[g], seconds[g]))
         best = max(choices, key=lambda c: c.rate)  # the first of equals: chains before trees
+        if best.rate < (1 + MARGIN) * choices[0].rate:  # choices[0]: the plain step
+            best = choices[0]
         self.tree = best.tree
         if best.gamma:
             self.plain_steps, self.probe_gap = 0, PROBE_FIRST
