@@ -159,7 +159,8 @@ def forward_costs(pair, prompts: list[list[int]], gamma_max: int, repeats: int =
 
     def median_forward(model, width: int) -> float:
         kv = model_cache(model, len(prompts), device, source)
-        kv.forward(ids, None if mask.all() else mask, logits_to_keep=1)  # no pad: dense, as the decoder's
+        dense = model is pair.target and mask.all()  # as the decoder runs: a target without pads goes maskless
+        kv.forward(ids, None if dense else mask, logits_to_keep=1)  # (the drafters always pass their masks)
         new = ids[:, -1:].expand(-1, width)
         seconds = []
         for _ in range(repeats + 1):  # the first forward at a new width is not timed: it warms up
