@@ -3,10 +3,10 @@ the hybrid of both) vs our autoregressive baseline vs transformers' generate (an
 generation and prompt lookup, which take one row at a time).
 
 Every method decodes the same prompts, greedy, in batches of each batch size, in one process:
-a warm-up batch first (not timed), then `repeats` interleaved passes, the best counting. Each
-speculative method keeps one gamma policy for the whole cell, as a job keeps one for its run, so
-auto is timed as it runs once it has measured its step costs. Tokens/s counts each row's own
-completion tokens.
+a warm-up batch first (not timed), then `repeats` interleaved passes (every other one
+backwards), the best counting. Each speculative method keeps one gamma policy for the whole
+cell, as a job keeps one for its run, so auto is timed as it runs once it has measured its step
+costs. Tokens/s counts each row's own completion tokens.
 """
 
 import os
@@ -302,20 +302,26 @@ def bench_size(pair, prompts, batch_size: int, drafters: list[str], gammas: list
 
     hook = pair.target.register_forward_pre_hook(count)
     try:
-        for _ in range(repeats):
-            for cell in cells:
-                forwards = 0
-                with PeakMemory(pair.target.device) as memory:
-                    seconds, (outputs, stats, masks) = timed(lambda c=cell: decode_all(pair, c, c.prompts(prompts)))
-                if not cell.times or seconds < cell.seconds:
-                    cell.outputs, cell.stats, cell.forwards, cell.mask_seconds = outputs, stats, forwards, masks
-                cell.times.append(seconds)
-                cell.peak_mib = max((m for m in (cell.peak_mib, memory.mib) if m is not None), default=None)
+        for cell in passes(cells, repeats):
+            forwards = 0
+            with PeakMemory(pair.target.device) as memory:
+                seconds, (outputs, stats, masks) = timed(lambda c=cell: decode_all(pair, c, c.prompts(prompts)))
+            if not cell.times or seconds < cell.seconds:
+                cell.outputs, cell.stats, cell.forwards, cell.mask_seconds = outputs, stats, forwards, masks
+            cell.times.append(seconds)
+            cell.peak_mib = max((m for m in (cell.peak_mib, memory.mib) if m is not None), default=None)
     finally:
         hook.remove()
     for cell in cells:
         cell.ideal = ideal_speedup(cell, costs)
     return cells
+
+
+def passes(cells: list[Cell], repeats: int):
+    """The timed passes' cells in order: every other pass backwards, so that no method always runs
+    after the same ones (on a machine that slows along a pass, or a heap the methods before grew)."""
+    for repeat in range(repeats):
+        yield from cells if repeat % 2 == 0 else cells[::-1]
 
 
 class PeakMemory:

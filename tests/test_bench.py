@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 from PIL import Image
 
-from batchspec.bench import PeakMemory, bench, geometric_alpha
+from batchspec.bench import PeakMemory, bench, geometric_alpha, passes
 from batchspec.bench_files import COLUMNS
 from batchspec.cli import main
 from batchspec.errors import UsageError
@@ -158,6 +158,13 @@ def test_jensen_shannon_bounds():
     p = torch.tensor([[1.0, 0.0], [0.5, 0.5]])
     q = torch.tensor([[0.0, 1.0], [0.5, 0.5]])
     torch.testing.assert_close(jensen_shannon(p, q), torch.tensor([math.log(2), 0.0]))
+
+
+def test_every_other_pass_runs_the_methods_backwards():
+    """No method always runs last, after all the others (a machine slowing along a pass would
+    count against it alone)."""
+    assert list(passes(["ar", "spec gamma=1", "spec auto"], 3)) == [
+        "ar", "spec gamma=1", "spec auto", "spec auto", "spec gamma=1", "ar", "ar", "spec gamma=1", "spec auto"]
 
 
 def test_peak_memory_sees_an_allocation():

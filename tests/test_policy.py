@@ -48,21 +48,54 @@ def test_a_gain_inside_the_margin_stays_plain(gain, chosen):
 
 
 def test_choose_weighs_each_rows_own_expectation():
-    """Two rows that accept everything and two that accept nothing: the sum of their E decides."""
+    """Two rows that accept everything and two that accept nothing: the sum of their E decides
+    the rows' share of the step, the rows that accept nothing the batch's length."""
     policy = GammaPolicy(gamma_max=8)
     timed(policy, lambda g: 1.0 + 0.1 * g)
     expected = expected_tokens([1.0, 1.0, 0.0, 0.0], [100] * 4, 8)
-    assert expected[:3] == pytest.approx([4, 6, 8], rel=1e-4)  # 2 rows x (gamma + 1) + 2 rows x 1
-    assert policy.choose(ROWS, expected) == 8  # (2 * 9 + 2) / 1.8 beats every shorter gamma
+    assert expected.tokens[:3] == pytest.approx([4, 6, 8], rel=1e-4)  # 2 rows x (gamma + 1) + 2 rows x 1
+    assert expected.critical == pytest.approx([1] * 9)  # the rows that accept nothing end last
+    assert policy.choose(ROWS, expected) == 8  # (0.5 + 0.5 * (2 * 9 + 2) / 4) / 1.8 beats every shorter gamma
+
+
+@pytest.mark.parametrize("plain_at_one_row, chosen", [(0.1, 1), (0.9, 0)])
+def test_rows_that_accept_nothing_hold_a_static_batch(plain_at_one_row, chosen):
+    """A batch ends with its longest completion: speculation that speeds up only some rows saves
+    their share of the steps (d per row of T(B, 0) = c + d * B), not the steps. Half the rows
+    accept everything: gamma 1 yields 1.5x the tokens for 1.3x the cost; it pays where a plain
+    step's cost is mostly per row (c = 0), not where it is mostly per step (c = 0.87 at 4 rows)."""
+    policy = GammaPolicy(gamma_max=1)
+    timed(policy, lambda g: 1.0 + 0.3 * g)
+    policy.costs.add(1, 0, plain_at_one_row)  # a plain step at one row: c + d
+    expected = expected_tokens([1.0, 1.0, 0.0, 0.0], [100] * ROWS, 1)
+    assert policy.choose(ROWS, expected) == chosen
+    assert policy.choose(ROWS, expected_tokens([1.0] * ROWS, [100] * ROWS, 1)) == 1  # every row gains
+
+
+def test_the_fixed_share_of_a_step_is_fitted_across_batch_sizes():
+    costs = StepCosts()
+    costs.add(8, 0, 3.0)
+    costs.add(6, 0, 2.6)
+    assert costs.fixed_share(8) == pytest.approx(0.5)  # the prior: batch sizes too close to tell
+    costs.add(2, 0, 1.8)  # c + d * B = 1.4 + 0.2 * B
+    assert costs.fixed_share(8) == pytest.approx(1.4 / 3.0)
+    assert costs.fixed_share(1) == pytest.approx(1.4 / 1.6)
 
 
 def test_expected_tokens_never_exceed_what_a_row_may_still_generate():
     e = [expected_tokens([alpha], [left], 4) for alpha, left in ((1.0, 100), (1.0, 2), (0.0, 100), (0.5, 1))]
-    assert e[0] == pytest.approx([1, 2, 3, 4, 5])
-    assert e[1] == pytest.approx([1, 2, 2, 2, 2])  # two tokens left: gamma > 1 gains nothing
-    assert e[2] == pytest.approx([1] * 5)
-    assert e[3] == pytest.approx([1] * 5)
-    assert expected_tokens([0.5, 0.5], [100, 100], 2) == pytest.approx([2, 3, 3.5])  # summed over rows
+    assert e[0].tokens == pytest.approx([1, 2, 3, 4, 5])
+    assert e[1].tokens == pytest.approx([1, 2, 2, 2, 2])  # two tokens left: gamma > 1 gains nothing
+    assert e[2].tokens == pytest.approx([1] * 5)
+    assert e[3].tokens == pytest.approx([1] * 5)
+    assert expected_tokens([0.5, 0.5], [100, 100], 2).tokens == pytest.approx([2, 3, 3.5])  # summed over rows
+
+
+def test_the_longest_completion_shrinks_by_what_its_rows_accept():
+    """critical: the longest remainder before the step less the longest after it."""
+    assert expected_tokens([1.0, 0.0], [100, 50], 2).critical == pytest.approx([1, 2, 3])  # the longest accepts all
+    assert expected_tokens([1.0, 0.0], [100, 100], 2).critical == pytest.approx([1, 1, 1])  # one that accepts none
+    assert expected_tokens([1.0, 0.0], [100, 99], 2).critical == pytest.approx([1, 2, 2])  # then 99 - 1 is longest
 
 
 def simulate(policy: GammaPolicy, alpha_of_step, cost, steps: int, seed: int = 0) -> list[int]:

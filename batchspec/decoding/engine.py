@@ -41,7 +41,7 @@ from batchspec.decoding.drafters.proposal import on_device
 from batchspec.decoding.grammar import GrammarRows
 from batchspec.decoding.kv_cache import BatchKV, padded
 from batchspec.decoding.options import RowOptions
-from batchspec.decoding.policy import ROW_DECAY, GammaPolicy, expected_tokens, row_alpha
+from batchspec.decoding.policy import ROW_DECAY, Expected, GammaPolicy, expected_tokens, row_alpha
 from batchspec.decoding.processors import Processors
 from batchspec.decoding.sampling import SamplingParams, accept_greedy, accept_sampled, probabilities
 from batchspec.decoding.seq2seq import decoder_prefix, model_cache
@@ -429,7 +429,7 @@ class BatchDecoder:
                         for b, (o, limit, stop) in enumerate(zip(options, limits, stops))]  # the live rows, in order
         for tally in self.tallies:  # an encoder–decoder's encoding is a forward (the prefill is the first step's)
             tally.target_forwards = int(source is not None)
-        self.expected: list[float] | None = None  # tokens the live rows should yield per gamma (auto)
+        self.expected: Expected | None = None  # what the live rows should yield per gamma (auto)
         self.left = sum(limits)  # tokens the live rows may still generate (auto: kept by expected_tokens)
         self.results: list[RowOutput | None] = [None] * len(prompts)
         self.totals = {"slots": 0, "empty_slots": 0, "verify_steps": 0, "compactions": 0}
@@ -519,10 +519,10 @@ class BatchDecoder:
         as the target's are at that position."""
         return self.processors(logits[:, None], proposals, self.rows.produced, first=proposals.shape[1])[:, 0]
 
-    def expected_tokens(self, n: list[float], lengths: list[int], finished: list[float]) -> list[float]:
-        """[G+1]: tokens the rows still live after this step are expected to yield per gamma
-        with a chain, each at its own alpha (updated with this step's n of `lengths` proposals,
-        none after a tree) and remaining limit; on the host, from the step's sync. Also sets
+    def expected_tokens(self, n: list[float], lengths: list[int], finished: list[float]) -> Expected:
+        """What the rows still live after this step are expected to yield per gamma with a
+        chain, each at its own alpha (updated with this step's n of `lengths` proposals, none
+        after a tree) and remaining limit; on the host, from the step's sync. Also sets
         self.left, those remaining limits summed."""
         alphas, remaining = [], []
         for tally, k, proposed, done in zip(self.tallies, n, lengths, finished):

@@ -4,24 +4,36 @@ A step with gamma proposals gives a row whose proposals are each accepted with p
   E(alpha, gamma) = (1 - alpha^(gamma+1)) / (1 - alpha)
 tokens (Leviathan et al. 2023), never more than the row may still generate, and costs T(B, gamma)
 seconds with B live rows: one target forward over gamma+1 positions and gamma draft forwards.
-`--gamma auto` picks before every step the gamma in 0..gamma_max with the most expected tokens
-per second, sum over rows of E / T (the goodput of SmartSpec, Liu et al. 2024); gamma 0 is a
-plain target step, the draft sits out.
+`--gamma auto` picks before every step the gamma in 0..gamma_max with the most expected work
+per second; gamma 0 is a plain target step, the draft sits out.
 
-- alpha: per row, its own checked proposals (older ones fading) shrunk towards the run's alpha,
-  so that rows that copy their prompt and rows that do not are told apart.
+- Work: tokens per second over all rows (sum of E / T, the goodput of SmartSpec, Liu et al.
+  2024) is what a server that refills its batch gains. A static batch lasts as long as its
+  longest completion: with plain steps every row advances one token a step, so they end
+  together; speculation runs ahead on the rows that accept most and leaves the others to
+  finish in smaller, dearer steps. So a step's work is what it takes off the time plain steps
+  would need to finish the batch, c * (the longest remainder) + d * (all rows' remainders),
+  where T(B, 0) = c + d * B (c: what every step costs, d: each row's share, fitted from the
+  plain steps timed at different batch sizes): a step yielding `tokens` in all and shortening
+  the longest remainder by `critical` does c * critical + d * tokens (a plain step: its own
+  cost). Where c is small (a CPU at large batches) this is the goodput; where it dominates (a
+  GPU's weight-bound steps) speculation pays only as far as the slowest rows gain.
+- alpha: per row, its own checked proposals (older ones fading) shrunk towards the run's alpha
+  (PRIOR_WEIGHT proposals' worth: the slowest row's estimate prices the batch's length, and the
+  least of B noisy estimates is biased low), so that rows that copy their prompt and rows that
+  do not are told apart.
 - T: whole steps timed as the job runs, by live rows and gamma (a host clock read after the
   step's one sync: no sync added, and on a GPU it holds the launches and the wait alike). A
   gamma not timed yet at B is estimated from those that were (linear in gamma, or carried over
   from the nearest B), tried when that estimate says it pays, and timed then.
-- Speculation is chosen only when it promises MARGIN more tokens per second than a plain step:
+- Speculation is chosen only when it promises MARGIN more work per second than a plain step:
   the costs are noisy timings, and the best of noisy estimates is the one most likely
   underestimated (the optimizer's curse), so a gain promised within the noise is more often a
   loss (traced: gamma 1 promised ~4 % at batch 8 and ran at 0.87x plain). A gain under
   MARGIN forgone leaves auto within MARGIN of that gamma.
 - While gamma 0 wins, a probe step with the best gamma > 0 comes after 16 plain steps, then
   after 32, 64, ... 512, and never before the time its estimated loss (what it costs over the
-  tokens it should bring) is 1% of the plain steps between probes: a pair that started badly
+  work it should do) is 1% of the plain steps between probes: a pair that started badly
   can still switch speculation on later, at a bounded price.
 - While a gamma > 0 wins, another one is re-timed now and then: the one timed longest ago at
   this B, at least RETIME_GAP steps apart and within the same 1% budget of its estimated loss.
@@ -37,7 +49,7 @@ plain target step, the draft sits out.
   the whole catch-up: if speculation still does not pay, the draft falls behind again.
 - Trees (--tree-width W, or several drafts' chains, with auto): a tree of depth gamma is one
   more choice beside the chain of gamma, with its own step costs and its own run alpha (per
-  depth of the accepted path); a row's E with a tree is its chain E times the run's
+  depth of the accepted path); a tree's work is its chain's times the run's
   E(tree alpha) / E(chain alpha). A tree not timed yet is priced as the chain (its verify is
   wider: it is tried, then timed), and its alpha starts TREE_LIFT above the chain's, so that
   trees are tried early and kept only if they pay.
@@ -47,7 +59,7 @@ import math
 from typing import NamedTuple
 
 PRIOR_ALPHA = 0.5  # the run's alpha before any proposal was checked
-PRIOR_WEIGHT = 2.0  # proposals' worth of the run's alpha in each row's estimate
+PRIOR_WEIGHT = 8.0  # proposals' worth of the run's alpha in each row's estimate
 ROW_DECAY = 0.95  # per speculative step: acceptance changes along a completion
 RUN_DECAY = 0.98
 PRIOR_SLOPE = 0.1  # a proposal's cost relative to a plain step, before two gammas were timed
@@ -55,21 +67,32 @@ PROBE_FIRST, PROBE_LAST = 16, 512  # plain steps before a probe of speculation (
 PROBE_BUDGET = 0.01  # the most of the time an expected-to-lose probe (or re-timing) may take
 RETIME_GAP = 16  # speculative steps at least between two re-timings of another gamma
 TREE_LIFT = 1.25  # a tree's alpha over the chain's, before any tree was checked
-MARGIN = 0.05  # the least gain in expected tokens per second over a plain step that speculation needs
+MARGIN = 0.05  # the least gain in expected work per second over a plain step that speculation needs
+PRIOR_FIXED_SHARE = 0.5  # the share of a plain step that does not grow with its rows, before it was measured
 
 
-def expected_tokens(alphas: list[float], remaining: list[int], gamma_max: int) -> list[float]:
-    """Tokens a step yields with gamma = 0..gamma_max, summed over rows (host numbers: rows'
-    alphas and the tokens each may still generate): E = 1 + a + ... + a^(m-1), m = min(gamma + 1,
-    remaining)."""
+class Expected(NamedTuple):
+    """What a step yields with gamma = 0..gamma_max, expected (host numbers)."""
+
+    tokens: list[float]  # summed over the rows
+    critical: list[float]  # how much the longest completion the batch has left shrinks
+
+
+def expected_tokens(alphas: list[float], remaining: list[int], gamma_max: int) -> Expected:
+    """A step's expected yield per gamma from the rows' alphas and the tokens each may still
+    generate: E = 1 + a + ... + a^(m-1) per row, m = min(gamma + 1, remaining), summed; and the
+    longest remainder before the step less the longest after it."""
     totals = [0.0] * (gamma_max + 1)
+    after = [0.0] * (gamma_max + 1)  # the longest remainder after the step
     for alpha, left in zip(alphas, remaining):
         power, tokens = 1.0, 0.0
         for gamma in range(gamma_max + 1):
             if gamma < left:
                 tokens, power = tokens + power, power * alpha
             totals[gamma] += tokens
-    return totals
+            after[gamma] = max(after[gamma], left - tokens)
+    longest = max(remaining, default=0)
+    return Expected(totals, [longest - a for a in after])
 
 
 def row_alpha(accepted: float, checked: float, prior: float) -> float:
@@ -118,6 +141,16 @@ class StepCosts:
         nearest = below if below is not None else above
         return max(timed[nearest] + (gamma - nearest) * slope, 1e-9)
 
+    def fixed_share(self, rows: int) -> float:
+        """c / T(rows, 0), where a plain step costs T(B, 0) = c + d * B: a least-squares line
+        through the plain steps timed at batch sizes a factor of 2 apart or more, else
+        PRIOR_FIXED_SHARE."""
+        plain = {b: timed[0] for b, timed in self.cells.items() if 0 in timed}  # B -> seconds
+        if len(plain) < 2 or max(plain) < 2 * min(plain):
+            return PRIOR_FIXED_SHARE
+        c, d = line(plain)
+        return c / (c + d * rows)
+
     def slope(self, rows: int) -> float:
         """Seconds per extra proposal at `rows`: a least-squares line through its timed gammas;
         with one timed gamma, the relative slope of the nearest batch size with two, else
@@ -134,7 +167,7 @@ class StepCosts:
 
 
 def line(timed: dict[int, float]) -> tuple[float, float]:
-    """(intercept, slope >= 0) of the least-squares line seconds = a + b * gamma."""
+    """(intercept, slope >= 0) of the least-squares line seconds = a + b * x (x: gamma, or B)."""
     n = len(timed)
     mean_g, mean_s = sum(timed) / n, sum(timed.values()) / n
     spread = sum((g - mean_g) ** 2 for g in timed)
@@ -143,10 +176,10 @@ def line(timed: dict[int, float]) -> tuple[float, float]:
 
 
 class Choice(NamedTuple):
-    rate: float  # expected tokens per second
+    rate: float  # expected work per second (a plain step's: 1)
     gamma: int
     tree: bool
-    tokens: float  # expected tokens of the step
+    work: float  # the step's expected work, in seconds of plain steps
     seconds: float  # its expected cost, the draft's catch-up aside
 
 
@@ -186,19 +219,28 @@ class GammaPolicy:
         prior = min(TREE_LIFT * self.alpha, 1 - 1e-3)
         return (self.tree_accepted + PRIOR_WEIGHT * prior) / (self.tree_checked + PRIOR_WEIGHT)
 
-    def tree_arm(self, rows: int, expected: list[float], costs: list[float]) -> tuple[list[float], list[float]]:
-        """A tree's expected tokens and seconds per depth 0..gamma_max, from the chains' (their
+    def tree_arm(self, rows: int, costs: list[float]) -> tuple[list[float], list[float]]:
+        """A tree's yield over a chain's and its seconds per depth 0..gamma_max (the chains'
         costs where no tree was timed yet)."""
         chain, tree = (min(a, 1 - 1e-6) for a in (self.alpha, self.tree_alpha))
         lift = [(1 - tree ** (g + 1)) / (1 - tree) / ((1 - chain ** (g + 1)) / (1 - chain)) for g in range(len(costs))]
         tree_costs = self.tree_costs.estimates(rows, self.gamma_max) if self.tree_costs.cells else costs
-        return [e * x for e, x in zip(expected, lift)], tree_costs
+        return lift, tree_costs
 
-    def choose(self, rows: int, expected: list[float] | None, behind: int = 0, left: float = math.inf) -> int:
-        """The next step's gamma for `rows` live rows. expected[g]: the tokens they are expected
-        to yield with gamma g (None: as many rows at the run's alpha); behind: the tokens the
-        draft must read before it can propose; left: the tokens the rows may still generate,
-        summed (host numbers)."""
+    def work(self, rows: int, expected: Expected, plain: float) -> list[float]:
+        """[G+1]: a step's expected work in seconds of plain steps. A plain step costs
+        plain = T(B, 0) = c + d * B; a static batch lasts as long as its longest completion, so
+        a step that shortens it by `critical` tokens and yields `tokens` in all does the work of
+        c * critical + d * tokens (a plain step's: c + d * B)."""
+        c = self.costs.fixed_share(rows) * plain
+        d = (plain - c) / rows
+        return [c * critical + d * tokens for tokens, critical in zip(expected.tokens, expected.critical)]
+
+    def choose(self, rows: int, expected: Expected | None, behind: int = 0, left: float = math.inf) -> int:
+        """The next step's gamma for `rows` live rows. expected: what a step yields per gamma
+        (None: as many rows alike at the run's alpha); behind: the tokens the draft must read
+        before it can propose; left: the tokens the rows may still generate, summed (host
+        numbers)."""
         if self.fixed is not None:
             return self.fixed
         costs = self.costs.estimates(rows, self.gamma_max)
@@ -206,14 +248,17 @@ class GammaPolicy:
             return 0  # time a plain step first
         if expected is None:
             a = min(self.alpha, 1 - 1e-6)
-            expected = [rows * (1 - a ** (g + 1)) / (1 - a) for g in range(self.gamma_max + 1)]
-        arms = [(False, expected, costs)] + ([(True, *self.tree_arm(rows, expected, costs))] if self.trees else [])
+            per_row = [(1 - a ** (g + 1)) / (1 - a) for g in range(self.gamma_max + 1)]
+            expected = Expected([rows * e for e in per_row], per_row)
+        work = self.work(rows, expected, costs[0])
+        arms = [(False, [1.0] * len(costs), costs)] + ([(True, *self.tree_arm(rows, costs))] if self.trees else [])
         catch_up = (self.catch_up or 0.0) * rows * behind if behind > 1 else 0.0  # seconds: what the draft reads first
         choices = []
-        for tree, tokens, seconds in arms:
+        for tree, lift, seconds in arms:
             for g in range(int(tree), self.gamma_max + 1):
-                share = catch_up * tokens[g] / max(left, tokens[g]) if g else 0.0  # over left / tokens[g] steps
-                choices.append(Choice(tokens[g] / (seconds[g] + share), g, tree, tokens[g], seconds[g]))
+                tokens = expected.tokens[g] * lift[g]
+                share = catch_up * tokens / max(left, tokens) if g else 0.0  # over left / tokens steps
+                choices.append(Choice(work[g] * lift[g] / (seconds[g] + share), g, tree, work[g] * lift[g], seconds[g]))
         best = max(choices, key=lambda c: c.rate)  # the first of equals: chains before trees
         if best.rate < (1 + MARGIN) * choices[0].rate:  # choices[0]: the plain step
             best = choices[0]
@@ -223,7 +268,7 @@ class GammaPolicy:
             return self.retime(rows, best, choices) if behind <= 1 else best.gamma  # a catch-up times no cell
         self.plain_steps += 1
         probe = max((c for c in choices if c.gamma), key=lambda c: c.rate)
-        loss = (probe.seconds + catch_up) / costs[0] - probe.tokens / expected[0]  # in plain steps: cost - yield
+        loss = (probe.seconds + catch_up - probe.work) / costs[0]  # in plain steps: cost - work
         if self.plain_steps < max(self.probe_gap, loss / PROBE_BUDGET):
             return 0
         self.plain_steps, self.probe_gap = 0, min(2 * self.probe_gap, PROBE_LAST)
@@ -240,7 +285,7 @@ class GammaPolicy:
         if not others:
             return best.gamma
         oldest = min(others, key=lambda c: (self.tree_costs if c.tree else self.costs).timed_at.get((rows, c.gamma), 0))
-        loss = oldest.seconds / best.seconds - oldest.tokens / best.tokens  # in best steps: cost - yield
+        loss = oldest.seconds / best.seconds - oldest.work / best.work  # in best steps: cost - work
         if self.since_retime < max(RETIME_GAP, loss / PROBE_BUDGET):
             return best.gamma
         self.since_retime, self.tree = 0, oldest.tree
