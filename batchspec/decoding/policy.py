@@ -256,9 +256,9 @@ class GammaPolicy:
         choices = []
         for tree, lift, seconds in arms:
             for g in range(int(tree), self.gamma_max + 1):
-                tokens = expected.tokens[g] * lift[g]
+                tokens, done = expected.tokens[g] * lift[g], work[g] * lift[g]
                 share = catch_up * tokens / max(left, tokens) if g else 0.0  # over left / tokens steps
-                choices.append(Choice(work[g] * lift[g] / (seconds[g] + share), g, tree, work[g] * lift[g], seconds[g]))
+                choices.append(Choice(done / (seconds[g] + share), g, tree, done, seconds[g]))
         best = max(choices, key=lambda c: c.rate)  # the first of equals: chains before trees
         if best.rate < (1 + MARGIN) * choices[0].rate:  # choices[0]: the plain step
             best = choices[0]
