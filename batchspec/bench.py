@@ -56,7 +56,7 @@ class Cell:
     peak_mib: float | None = None  # the most memory a pass held above what was held before it
     mismatches: list[dict] = field(default_factory=list)  # rows unlike its reference's (fidelity.mismatches)
     policy: GammaPolicy | None = None
-    ideal: float | None = None  # the speed-up over ar its alpha promises at bare forward costs
+    ideal: float | None = None  # the speed-up over ar its alpha promises at bare forward costs (ForwardCosts)
     options: RowOptions | None = None  # every row's (--with-options, --json-schema)
     samples: int = 1  # rows per prompt, side by side in a batch (--samples)
     mask_seconds: float = 0.0  # host time its grammar masks took (best pass)
@@ -135,18 +135,30 @@ def geometric_alpha(accepted: float, shares: dict[int, float]) -> float:
 
 @dataclass
 class ForwardCosts:
-    """Median seconds of bare forwards at one batch size: target[s - 1] over s new tokens, draft over 1."""
+    """Median seconds of bare forwards at one batch size, timed as the steps run them:
+    target[s - 1] the target's over s new tokens back to back (plain steps, n-gram lookup's
+    verifies); step[g - 1] a draft model's step of gamma g: g draft forwards over one token, then
+    the target's over g + 1 (empty: no draft); prefill: the target's forward over the batch's
+    prompts (an encoder–decoder's encoding included) and the draft's (0.0: no draft). On a CPU a
+    draft's forwards right after the target's run slower than back to back: the target's
+    weights have pushed the draft's out of the processor's caches."""
 
     target: list[float]
-    draft: float
+    step: list[float]
+    prefill: tuple[float, float]
 
-    def ideal(self, alpha: float, gamma: int, drafts: bool = True) -> float:
-        """Speed-up over plain steps if every step cost its forwards only: E(alpha, gamma) tokens
-        for one target forward over gamma + 1 tokens and gamma draft forwards (none for n-gram
-        lookup: drafts False)."""
+    def ideal(self, alpha: float, gamma: int, tokens: float, drafts: bool = True) -> float:
+        """Speed-up over ar of a batch whose rows generate `tokens` each, if every step cost its
+        forwards only: in both the target's prefill gives each row its first token; then ar takes
+        a plain step per token, spec a step of gamma per E(alpha, gamma) tokens, and its draft
+        reads the prompts too (none of that for n-gram lookup: drafts False)."""
         a = min(alpha, 1 - 1e-9)
-        draft = self.draft if drafts else 0.0
-        return (1 - a ** (gamma + 1)) / (1 - a) * self.target[0] / (self.target[gamma] + gamma * draft)
+        expected = (1 - a ** (gamma + 1)) / (1 - a)
+        target_prefill, draft_prefill = self.prefill
+        steps = max(tokens - 1, 0.0)
+        step = self.step[gamma - 1] if drafts else self.target[gamma]
+        spec = target_prefill + draft_prefill * drafts + steps / expected * step
+        return (target_prefill + steps * self.target[0]) / spec
 
 
 @torch.inference_mode()
@@ -157,32 +169,64 @@ def forward_costs(pair, prompts: list[list[int]], gamma_max: int, repeats: int =
     source = padded(prompts, device, left=False) if seq2seq else None
     ids, mask = padded([decoder_prefix(pair.target)] * len(prompts) if seq2seq else prompts, device)
 
-    def median_forward(model, width: int) -> float:
-        kv = model_cache(model, len(prompts), device, source)
+    def primed(model):
+        """A cache holding the prompts, and the median seconds of 3 prefills."""
         dense = model is pair.target and mask.all()  # as the decoder runs: a target without pads goes maskless
-        kv.forward(ids, None if dense else mask, logits_to_keep=1)  # (the drafters always pass their masks)
-        new = ids[:, -1:].expand(-1, width)
-        seconds = []
-        for _ in range(repeats + 1):  # the first forward at a new width is not timed: it warms up
-            seconds.append(timed(lambda: kv.forward(new))[0])
-            kv.rollback(torch.zeros_like(ids[:, 0]), width, 0)
-        return sorted(seconds[1:])[repeats // 2]
 
-    return ForwardCosts([median_forward(pair.target, s) for s in range(1, gamma_max + 2)],
-                        median_forward(pair.draft, 1) if pair.draft is not None else 0.0)
+        def prefill():
+            kv = model_cache(model, len(prompts), device, source)
+            kv.forward(ids, None if dense else mask, logits_to_keep=1)  # (the drafters always pass their masks)
+            return kv
+
+        seconds, caches = zip(*(timed(prefill) for _ in range(3)))
+        return caches[-1], sorted(seconds)[1]
+
+    (target, target_prefill), (draft, draft_prefill) = primed(pair.target), (None, 0.0)
+    if pair.draft is not None:
+        draft, draft_prefill = primed(pair.draft)
+    newest = ids[:, -1:]  # [B, 1]
+    none_kept = torch.zeros_like(ids[:, 0])
+
+    def forwards(gamma: int, drafts: bool) -> None:
+        """A step's forwards, rolled back after: gamma of the draft's (drafts), then the target's."""
+        for _ in range(gamma if drafts else 0):
+            draft.forward(newest)
+        target.forward(newest.expand(-1, gamma + 1))
+        target.rollback(none_kept, gamma + 1, 0)
+        if drafts:
+            draft.rollback(none_kept, gamma, 0)
+
+    def median_seconds(gamma: int, drafts: bool) -> float:
+        seconds = [timed(lambda: forwards(gamma, drafts))[0] for _ in range(repeats + 1)]
+        return sorted(seconds[1:])[repeats // 2]  # the first at a new width is not counted: it warms up
+
+    return ForwardCosts([median_seconds(g, False) for g in range(gamma_max + 1)],
+                        [median_seconds(g, True) for g in range(1, gamma_max + 1)] if draft else [],
+                        (target_prefill, draft_prefill))
 
 
-def ideal_speedup(cell: Cell, costs: ForwardCosts) -> float | None:
-    """What the cell's measured alpha promises at its forward costs: for a fixed gamma, that
-    gamma's; for auto, the best of plain steps (1) and every gamma up to gamma_max. None for the
-    hybrid, whose steps mix both kinds of cost."""
+def ideal_speedup(cell: Cell, cells: list[Cell], costs: ForwardCosts) -> float | None:
+    """What the cell's alpha promises at its forward costs for rows as long as its own: for a
+    fixed gamma, that gamma's; for auto, the best of plain steps (1) and every gamma up to
+    gamma_max, at the alpha the most proposals measured. None for the hybrid, whose steps mix
+    both kinds of cost."""
     if cell.policy is None or cell.method == HYBRID:
         return None
-    drafts = cell.method != NGRAM
+    drafts, tokens = cell.method != NGRAM, cell.tokens / len(cell.outputs)
     if not cell.policy.auto:
-        return costs.ideal(cell.alpha, cell.policy.fixed, drafts) if cell.alpha is not None else None
-    alpha = cell.alpha or 0.0  # None: auto never speculated
-    return max([1.0] + [costs.ideal(alpha, g, drafts) for g in range(1, cell.policy.gamma_max + 1)])
+        return costs.ideal(cell.alpha, cell.policy.fixed, tokens, drafts) if cell.alpha is not None else None
+    alpha = measured_alpha(cell, cells) or 0.0  # None: nothing like it ever speculated
+    return max([1.0] + [costs.ideal(alpha, g, tokens, drafts) for g in range(1, cell.policy.gamma_max + 1)])
+
+
+def measured_alpha(cell: Cell, cells: list[Cell]) -> float | None:
+    """The alpha of the cell's drafter on these prompts, from whichever cell at its batch size,
+    alike but for gamma, checked the most proposals: a fixed gamma speculates on every step,
+    auto perhaps on a few probes only, whose alpha would price its ideal by its own misses."""
+    alike = [c for c in cells if c.batch_size == cell.batch_size and c.policy is not None and c.alpha is not None
+             and (c.draft, c.options, c.samples) == (cell.draft, cell.options, cell.samples)
+             and replace(c.config, gamma=None) == replace(cell.config, gamma=None)]
+    return max(alike, key=lambda c: c.total("draft_tokens")).alpha if alike else None
 
 
 def hf_generate(pair, prompts: list[list[int]], config: DecodeConfig, method: str) -> list[list[int]]:
@@ -313,7 +357,7 @@ def bench_size(pair, prompts, batch_size: int, drafters: list[str], gammas: list
     finally:
         hook.remove()
     for cell in cells:
-        cell.ideal = ideal_speedup(cell, costs)
+        cell.ideal = ideal_speedup(cell, cells, costs)
     return cells
 
 

@@ -13,7 +13,8 @@ import torch
 from click.testing import CliRunner
 from PIL import Image
 
-from batchspec.bench import PeakMemory, bench, geometric_alpha, passes
+from batchspec.bench import AUTO, Cell, ForwardCosts, PeakMemory, bench, geometric_alpha, ideal_speedup, passes
+from batchspec.decoding import DecodeConfig
 from batchspec.bench_files import COLUMNS
 from batchspec.cli import main
 from batchspec.errors import UsageError
@@ -152,6 +153,38 @@ def test_alpha_is_the_per_proposal_acceptance_whatever_the_gammas():
     assert geometric_alpha(sum(accepted) / len(gammas), shares) == pytest.approx(0.8, abs=0.01)
     assert sum(accepted) / sum(gammas) < 0.65
     assert geometric_alpha(5.0, {5: 1.0}) == pytest.approx(1.0) and geometric_alpha(0.0, {5: 1.0}) == pytest.approx(0)
+
+
+def test_the_ideal_counts_every_forward_a_run_takes():
+    """alpha 0.5, gamma 1: E = 1.5 tokens per step of 3 s against 1 s a plain step. Rows of 1 + 300
+    tokens with a 10 s prefill (the draft's: 5 s): ar 10 + 300, spec 10 + 5 + 300 / 1.5 * 3; no
+    prefill: E / 3 = 0.5; n-gram lookup: the target's forward over 2 tokens, no draft prefill."""
+    costs = ForwardCosts(target=[1.0, 2.0], step=[3.0], prefill=(10.0, 5.0))
+    assert costs.ideal(0.5, 1, tokens=301) == pytest.approx(310 / 615)
+    assert costs.ideal(0.5, 1, tokens=301, drafts=False) == pytest.approx(310 / 410)
+    assert ForwardCosts([1.0, 2.0], [3.0], (0.0, 0.0)).ideal(0.5, 1, tokens=301) == pytest.approx(0.5)
+    assert costs.ideal(0.5, 1, tokens=1) == pytest.approx(10 / 15)  # the prefill's token only
+
+
+def test_autos_ideal_takes_the_alpha_most_proposals_measured():
+    """auto's two probes at batch 1 both missed (alpha 0): its ideal is priced at the alpha 0.4
+    that gamma 1 measured on 100 proposals (E 1.4 for a step of 1.2 plain steps), not at 1 (plain
+    steps), and not at another batch size's or another drafter's alpha."""
+    def cell(size, config, histogram, accepted, draft="draft"):
+        stats = {"gamma_histogram": histogram, "accepted_tokens": accepted, "draft_tokens": sum(histogram[1:])}
+        c = Cell(size, AUTO if config.gamma is None else f"spec gamma={config.gamma}", config, draft,
+                 outputs=[[7] * 101], stats=[stats])
+        c.policy = config.policy()
+        return c
+
+    base = DecodeConfig(max_new_tokens=101)
+    auto, fixed = cell(1, base, [98, 2], 0), cell(1, DecodeConfig(101, gamma=1), [1, 100], 40)
+    others = [cell(4, DecodeConfig(101, gamma=1), [1, 400], 360),
+              cell(1, DecodeConfig(101, gamma=1, ngram=(1, 3)), [1, 400], 360, draft=None)]
+    costs = ForwardCosts(target=[1.0] + [1.1] * 8, step=[1.2] + [10.0] * 7, prefill=(0.0, 0.0))  # gamma 0..8
+    assert auto.alpha == pytest.approx(0, abs=1e-6) and fixed.alpha == pytest.approx(0.4)
+    assert ideal_speedup(auto, [auto, fixed, *others], costs) == pytest.approx(1.4 / 1.2)
+    assert ideal_speedup(auto, [auto, *others], costs) == 1.0
 
 
 def test_jensen_shannon_bounds():
