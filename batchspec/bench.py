@@ -22,7 +22,7 @@ from batchspec.bench_files import best_configs, write_results
 from batchspec.buckets import make_encoder
 from batchspec.decoding import DecodeConfig, RowOptions, decode_batch
 from batchspec.decoding.kv_cache import padded
-from batchspec.decoding.policy import GammaPolicy
+from batchspec.decoding.policy import GammaPolicy, chain_tokens
 from batchspec.decoding.seq2seq import decoder_prefix, model_cache
 from batchspec.defaults import default_draft, default_target
 from batchspec.errors import UsageError
@@ -152,12 +152,10 @@ class ForwardCosts:
         forwards only: in both the target's prefill gives each row its first token; then ar takes
         a plain step per token, spec a step of gamma per E(alpha, gamma) tokens, and its draft
         reads the prompts too (none of that for n-gram lookup: drafts False)."""
-        a = min(alpha, 1 - 1e-9)
-        expected = (1 - a ** (gamma + 1)) / (1 - a)
-        target_prefill, draft_prefill = self.prefill
+        target_prefill, draft_prefill = self.prefill if drafts else (self.prefill[0], 0.0)
         steps = max(tokens - 1, 0.0)
         step = self.step[gamma - 1] if drafts else self.target[gamma]
-        spec = target_prefill + draft_prefill * drafts + steps / expected * step
+        spec = target_prefill + draft_prefill + steps / chain_tokens(alpha, gamma) * step
         return (target_prefill + steps * self.target[0]) / spec
 
 

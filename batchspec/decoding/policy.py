@@ -78,6 +78,13 @@ class Expected(NamedTuple):
     critical: list[float]  # how much the longest completion the batch has left shrinks
 
 
+def chain_tokens(alpha: float, gamma: int) -> float:
+    """E(alpha, gamma) = (1 - alpha^(gamma+1)) / (1 - alpha): a row's expected tokens from a chain
+    of gamma proposals (alpha kept just under 1)."""
+    a = min(alpha, 1 - 1e-6)
+    return (1 - a ** (gamma + 1)) / (1 - a)
+
+
 def expected_tokens(alphas: list[float], remaining: list[int], gamma_max: int) -> Expected:
     """A step's expected yield per gamma from the rows' alphas and the tokens each may still
     generate: E = 1 + a + ... + a^(m-1) per row, m = min(gamma + 1, remaining), summed; and the
@@ -222,8 +229,7 @@ class GammaPolicy:
     def tree_arm(self, rows: int, costs: list[float]) -> tuple[list[float], list[float]]:
         """A tree's yield over a chain's and its seconds per depth 0..gamma_max (the chains'
         costs where no tree was timed yet)."""
-        chain, tree = (min(a, 1 - 1e-6) for a in (self.alpha, self.tree_alpha))
-        lift = [(1 - tree ** (g + 1)) / (1 - tree) / ((1 - chain ** (g + 1)) / (1 - chain)) for g in range(len(costs))]
+        lift = [chain_tokens(self.tree_alpha, g) / chain_tokens(self.alpha, g) for g in range(len(costs))]
         tree_costs = self.tree_costs.estimates(rows, self.gamma_max) if self.tree_costs.cells else costs
         return lift, tree_costs
 
@@ -247,8 +253,7 @@ class GammaPolicy:
         if costs is None:
             return 0  # time a plain step first
         if expected is None:
-            a = min(self.alpha, 1 - 1e-6)
-            per_row = [(1 - a ** (g + 1)) / (1 - a) for g in range(self.gamma_max + 1)]
+            per_row = [chain_tokens(self.alpha, g) for g in range(self.gamma_max + 1)]
             expected = Expected([rows * e for e in per_row], per_row)
         work = self.work(rows, expected, costs[0])
         arms = [(False, [1.0] * len(costs), costs)] + ([(True, *self.tree_arm(rows, costs))] if self.trees else [])
