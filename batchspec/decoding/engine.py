@@ -41,7 +41,7 @@ from batchspec.decoding.drafters.proposal import on_device
 from batchspec.decoding.grammar import GrammarRows
 from batchspec.decoding.kv_cache import BatchKV, padded
 from batchspec.decoding.options import RowOptions
-from batchspec.decoding.policy import ROW_DECAY, Expected, GammaPolicy, expected_tokens, row_alpha
+from batchspec.decoding.policy import Expected, GammaPolicy, expected_tokens, row_alpha, row_seen
 from batchspec.decoding.processors import Processors
 from batchspec.decoding.sampling import SamplingParams, accept_greedy, accept_sampled, probabilities
 from batchspec.decoding.seq2seq import decoder_prefix, model_cache
@@ -526,9 +526,7 @@ class BatchDecoder:
         self.left, those remaining limits summed."""
         alphas, remaining = [], []
         for tally, k, proposed, done in zip(self.tallies, n, lengths, finished):
-            if any(lengths):  # a speculative step: the rows' acceptance, older steps fading
-                accepted, checked = tally.seen
-                tally.seen = (accepted * ROW_DECAY + k, checked * ROW_DECAY + min(k + 1, proposed))
+            tally.seen = row_seen(tally.seen, int(k) if proposed else 0, proposed)  # after a tree: the fading only
             if not done:
                 alphas.append(row_alpha(*tally.seen, self.policy.alpha))
                 remaining.append(tally.limit - len(tally.tokens))

@@ -21,7 +21,16 @@ per second; gamma 0 is a plain target step, the draft sits out.
 - alpha: per row, its own checked proposals (older ones fading) shrunk towards the run's alpha
   (PRIOR_WEIGHT proposals' worth: the slowest row's estimate prices the batch's length, and the
   least of B noisy estimates is biased low), so that rows that copy their prompt and rows that
-  do not are told apart.
+  do not are told apart. Evidence fades with every step, plain ones included: a row's towards
+  the run's alpha, the run's (more slowly) towards PRIOR_ALPHA, which
+  keeps PRIOR_WEIGHT proposals' worth in it. alpha is only measured while
+  speculating, so speculation stops on a low estimate and, were the evidence kept, would stay
+  stopped on it: the last estimate before plain steps is the low tail of its noise, not the
+  pair's acceptance (simulated at batch 1 with an acceptance where gamma 1 gains 10 %: auto
+  stopped on estimates of 0.20-0.26 against the true 0.32 and forwent most of the gain). Fading,
+  the estimate drifts back over a break-even it fell under by chance and speculation is tried
+  again; a draft that is useless drifts back there only after hundreds of plain steps and falls
+  again at once (simulated: about 1.5 % of a batch-1 run's time).
 - T: whole steps timed as the job runs, by live rows and gamma (a host clock read after the
   step's one sync: no sync added, and on a GPU it holds the launches and the wait alike). A
   gamma not timed yet at B is estimated from those that were (linear in gamma, or carried over
@@ -30,7 +39,8 @@ per second; gamma 0 is a plain target step, the draft sits out.
   the costs are noisy timings, and the best of noisy estimates is the one most likely
   underestimated (the optimizer's curse), so a gain promised within the noise is more often a
   loss (traced: gamma 1 promised ~4 % at batch 8 and ran at 0.87x plain). A gain under
-  MARGIN forgone leaves auto within MARGIN of that gamma.
+  MARGIN forgone leaves auto within MARGIN of that gamma, so MARGIN stays well under the 5 %
+  that auto may trail the best fixed gamma by.
 - While gamma 0 wins, a probe step with the best gamma > 0 comes after 16 plain steps, then
   after 32, 64, ... 512, and never before the time its estimated loss (what it costs over the
   work it should do) is 1% of the plain steps between probes: a pair that started badly
@@ -59,15 +69,16 @@ import math
 from typing import NamedTuple
 
 PRIOR_ALPHA = 0.5  # the run's alpha before any proposal was checked
-PRIOR_WEIGHT = 8.0  # proposals' worth of the run's alpha in each row's estimate
-ROW_DECAY = 0.95  # per speculative step: acceptance changes along a completion
-RUN_DECAY = 0.98
+PRIOR_WEIGHT = 8.0  # proposals' worth of the run's alpha in each row's estimate, of PRIOR_ALPHA in the run's
+ROW_DECAY = 0.95  # per step: acceptance changes along a completion
+RUN_DECAY = 0.98  # per speculative step
+PLAIN_DECAY = 0.995  # per plain step, towards PRIOR_ALPHA: see alpha above
 PRIOR_SLOPE = 0.1  # a proposal's cost relative to a plain step, before two gammas were timed
 PROBE_FIRST, PROBE_LAST = 16, 512  # plain steps before a probe of speculation (doubling)
 PROBE_BUDGET = 0.01  # the most of the time an expected-to-lose probe (or re-timing) may take
 RETIME_GAP = 16  # speculative steps at least between two re-timings of another gamma
 TREE_LIFT = 1.25  # a tree's alpha over the chain's, before any tree was checked
-MARGIN = 0.05  # the least gain in expected work per second over a plain step that speculation needs
+MARGIN = 0.03  # the least gain in expected work per second over a plain step that speculation needs
 PRIOR_FIXED_SHARE = 0.5  # the share of a plain step that does not grow with its rows, before it was measured
 
 
@@ -100,6 +111,12 @@ def expected_tokens(alphas: list[float], remaining: list[int], gamma_max: int) -
             after[gamma] = max(after[gamma], left - tokens)
     longest = max(remaining, default=0)
     return Expected(totals, [longest - a for a in after])
+
+
+def row_seen(seen: tuple[float, float], accepted: int, proposed: int) -> tuple[float, float]:
+    """A row's decayed (accepted, checked) proposals after a step in which it had `accepted` of
+    `proposed` accepted (0 proposed: a plain step, the old evidence only fades)."""
+    return seen[0] * ROW_DECAY + accepted, seen[1] * ROW_DECAY + min(accepted + 1, proposed)
 
 
 def row_alpha(accepted: float, checked: float, prior: float) -> float:
@@ -205,7 +222,7 @@ class GammaPolicy:
         self.gamma_max, self.fixed, self.trees = gamma_max, fixed, trees
         self.tree = trees  # the last choice is a tree
         self.costs, self.tree_costs = StepCosts(), StepCosts()  # chains' (and plain steps'), trees'
-        self.accepted, self.checked = PRIOR_ALPHA * PRIOR_WEIGHT, PRIOR_WEIGHT  # decayed run totals
+        self.accepted, self.checked = 0.0, 0.0  # decayed run totals
         self.tree_accepted, self.tree_checked = 0.0, 0.0  # decayed totals of the trees' paths
         self.plain_steps, self.probe_gap = 0, PROBE_FIRST
         self.since_retime = 0  # speculative steps since another gamma than the best was re-timed
@@ -217,8 +234,9 @@ class GammaPolicy:
 
     @property
     def alpha(self) -> float:
-        """The run's per-proposal acceptance, recent proposals weighing most."""
-        return self.accepted / self.checked
+        """The run's per-proposal acceptance, recent proposals weighing most, with PRIOR_WEIGHT
+        proposals' worth of PRIOR_ALPHA."""
+        return row_alpha(self.accepted, self.checked, PRIOR_ALPHA)
 
     @property
     def tree_alpha(self) -> float:
@@ -307,6 +325,8 @@ class GammaPolicy:
         elif gamma:
             self.accepted = RUN_DECAY * self.accepted + accepted
             self.checked = RUN_DECAY * self.checked + checked
+        else:  # no new evidence: the old fades, and alpha towards the prior
+            self.accepted, self.checked = PLAIN_DECAY * self.accepted, PLAIN_DECAY * self.checked
         if seconds is None:
             return
         if not gamma or behind <= 1:
