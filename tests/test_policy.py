@@ -154,6 +154,21 @@ def test_a_gamma_timed_slow_once_is_re_timed(retimes, monkeypatch):
     assert (late.count(1) > 0.9 * len(late)) != retimes
 
 
+@pytest.mark.parametrize("retimes", [True, False])
+def test_a_plain_step_timed_slow_once_is_re_timed_while_speculating(retimes, monkeypatch):
+    """Acceptance 0.2, gamma 1 at 1.3 plain steps: plain steps are best (1.2 tokens for 1.3x),
+    but the plain step was timed once at 2 s (a batch size's first step): gamma 1 looks best, and
+    only re-timing the plain step while speculating brings plain steps back."""
+    policy = GammaPolicy(gamma_max=1)
+    timed(policy, lambda g: 1.3 if g else 2.0)
+    measured(policy, 0.2)
+    if not retimes:
+        monkeypatch.setattr(policy, "retime", lambda rows, best, choices: best.gamma)
+    late = simulate(policy, lambda step: 0.2, lambda g: 1.0 + 0.3 * g, steps=400)[-200:]
+    assert (late.count(0) > 0.9 * len(late)) == retimes
+    assert (late.count(1) == len(late)) != retimes
+
+
 def test_a_pair_that_starts_badly_switches_speculation_on_later():
     """Acceptance 0 for 1500 steps (plain steps win), then 0.9: a probe must find out."""
     switch = 1500

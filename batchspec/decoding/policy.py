@@ -30,7 +30,7 @@ per second; gamma 0 is a plain target step, the draft sits out.
   stopped on estimates of 0.20-0.26 against the true 0.32 and forwent most of the gain). Fading,
   the estimate drifts back over a break-even it fell under by chance and speculation is tried
   again; a draft that is useless drifts back there only after hundreds of plain steps and falls
-  again at once (simulated: about 1.5 % of a batch-1 run's time).
+  again at once, for under 1 % of the run's time (tests/test_policy.py).
 - T: whole steps timed as the job runs, by live rows and gamma (a host clock read after the
   step's one sync: no sync added, and on a GPU it holds the launches and the wait alike). A
   gamma not timed yet at B is estimated from those that were (linear in gamma, or carried over
@@ -45,10 +45,13 @@ per second; gamma 0 is a plain target step, the draft sits out.
   after 32, 64, ... 512, and never before the time its estimated loss (what it costs over the
   work it should do) is 1% of the plain steps between probes: a pair that started badly
   can still switch speculation on later, at a bounded price.
-- While a gamma > 0 wins, another one is re-timed now and then: the one timed longest ago at
-  this B, at least RETIME_GAP steps apart and within the same 1% budget of its estimated loss.
-  A cost is updated only when its gamma runs, and on a busy machine one slow timing would
-  otherwise keep a gamma out for the rest of the run.
+- While a gamma > 0 wins, another choice, a plain step included, is re-timed now and then: the
+  one timed longest ago at this B, at least RETIME_GAP steps apart and within the same 1%
+  budget of its estimated loss. A cost is updated only when its gamma runs, and one slow
+  timing (a busy machine; a batch size's first step, with tensor shapes not run before) would
+  otherwise keep a gamma out for the rest of the run, or, a plain step's, keep speculation on
+  where it loses (traced at batch 8 on the embedded pair: a plain step at 7 rows timed once at
+  87 ms against 58-65 ms at 6 and 8 rows, and every later step at 7 rows speculated).
 - The draft's catch-up: after plain steps (and at a batch's start, its prompts) its first
   forward also reads every token it skipped, a cost per row and skipped token timed on the
   steps that did so (those steps do not count towards T). It is paid once for all the
@@ -299,14 +302,12 @@ class GammaPolicy:
         return probe.gamma
 
     def retime(self, rows: int, best: Choice, choices: list[Choice]) -> int:
-        """best's gamma, or another speculative choice's: the one timed longest ago at `rows`,
-        once RETIME_GAP steps have passed and its estimated loss against best is PROBE_BUDGET of
-        the steps since the last re-timing. A cost is updated only when its gamma runs, so a
-        slow timing (a busy machine, an eviction) would otherwise keep a gamma out for good."""
+        """best's gamma, or another choice's (a plain step's included): the one timed longest ago
+        at `rows`, once RETIME_GAP steps have passed and its estimated loss against best is
+        PROBE_BUDGET of the steps since the last re-timing. A cost is updated only when its
+        gamma runs, so a slow timing (a busy machine, new shapes) would otherwise stand for good."""
         self.since_retime += 1
-        others = [c for c in choices if c.gamma and (c.gamma, c.tree) != (best.gamma, best.tree)]
-        if not others:
-            return best.gamma
+        others = [c for c in choices if (c.gamma, c.tree) != (best.gamma, best.tree)]  # choices[0]: plain
         oldest = min(others, key=lambda c: (self.tree_costs if c.tree else self.costs).timed_at.get((rows, c.gamma), 0))
         loss = oldest.seconds / best.seconds - oldest.work / best.work  # in best steps: cost - work
         if self.since_retime < max(RETIME_GAP, loss / PROBE_BUDGET):
