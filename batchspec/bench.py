@@ -9,7 +9,6 @@ cell, as a job keeps one for its run, so auto is timed as it runs once it has me
 costs. Tokens/s counts each row's own completion tokens.
 """
 
-import os
 import re
 import statistics
 import time
