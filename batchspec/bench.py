@@ -54,6 +54,7 @@ class Cell:
     peak_mib: float | None = None  # the most memory a pass held above what was held before it
     mismatches: list[dict] = field(default_factory=list)  # rows unlike its reference's (fidelity.mismatches)
     policy: GammaPolicy | None = None
+    steps: GammaPolicy | None = None  # ar's: no gamma, the step timings a job keeps across batches (batch_rows)
     ideal: float | None = None  # the speed-up over ar its alpha promises at bare forward costs (ForwardCosts)
     options: RowOptions | None = None  # every row's (--with-options, --json-schema)
     samples: int = 1  # rows per prompt, side by side in a batch (--samples)
@@ -270,7 +271,7 @@ def decode_all(pair, cell: Cell, prompts: list[list[int]]) -> tuple[list, list, 
             continue
         options = [cell.options] * len(batch) if cell.options else None
         result = decode_batch(pair.target, cell.draft, batch, list(range(len(batch))), cell.config, options,
-                              cell.policy, pair.tokenizer)
+                              cell.policy or cell.steps, pair.tokenizer)
         outputs += [r.token_ids for r in result.rows]
         stats += [r.stats for r in result.rows]
         mask_seconds += result.stats["mask_seconds"]
@@ -314,6 +315,7 @@ def methods(pair, batch_size: int, drafters: list[str], gammas: list[int], base:
     for cell in cells:
         plain = cell.method in (HF, ASSISTED, LOOKUP) or cell.method.startswith(AR)  # no gamma policy
         cell.policy = None if plain else cell.config.policy()
+        cell.steps = cell.config.policy() if cell.method.startswith(AR) else None
     return cells
 
 

@@ -17,3 +17,19 @@ class Scripted(GammaPolicy):
         """The script's next gamma; `tree` is left as the test set it."""
         self.steps += 1
         return self.gammas[(self.steps - 1) % len(self.gammas)]
+
+    def batch_rows(self, live: int, rows: int, gamma: int, tree: bool = False) -> int:
+        """Rows that end leave the batch, whatever the steps' timings say (Idling: they stay)."""
+        return live
+
+
+class Idling(Scripted):
+    """Scripted gammas, and rows that end stay in the batch, inert, as where more rows were timed
+    faster: `keep` of them at most (None: every one, the batch keeps its size)."""
+
+    def __init__(self, gammas: list[int], gamma_max: int, keep: int | None = None):
+        super().__init__(gammas, gamma_max)
+        self.keep = keep
+
+    def batch_rows(self, live: int, rows: int, gamma: int, tree: bool = False) -> int:
+        return rows if self.keep is None else min(rows, live + self.keep)

@@ -14,7 +14,7 @@ from batchspec.decoding import DecodeConfig, RowOptions, decode_batch
 from batchspec.models import load_pair
 from batchspec.tiny import perturbed, shallow
 
-from policies import Scripted
+from policies import Idling, Scripted
 
 FAMILIES = ["llama", "qwen2", "gpt2"]
 MAX_NEW = 40
@@ -68,9 +68,11 @@ def case(request, tiny_pair, tmp_path_factory):
 SWITCHING = [0, 2, 0, 0, 5, 1, 3, 0, 8]  # plain and speculative steps mixed inside every row
 
 
-def decode(pair, draft, prompts, gamma=3, **kwargs):
-    """gamma: a fixed gamma, "auto", or "switching" (the SWITCHING script, cycled)."""
-    policy = Scripted(SWITCHING, gamma_max=8, trees=kwargs.get("tree_width", 1) > 1) if gamma == "switching" else None
+def decode(pair, draft, prompts, gamma=3, policy=None, **kwargs):
+    """gamma: a fixed gamma, "auto", or "switching" (the SWITCHING script, cycled); policy: a
+    test policy instead."""
+    if gamma == "switching":
+        policy = Scripted(SWITCHING, gamma_max=8, trees=kwargs.get("tree_width", 1) > 1)
     fixed = gamma if isinstance(gamma, int) else None
     config = DecodeConfig(max_new_tokens=MAX_NEW, eos_token_ids=pair.eos_token_ids, gamma=fixed, **kwargs)
     return decode_batch(pair.target, draft, prompts, list(range(len(prompts))), config, policy=policy)
@@ -309,18 +311,58 @@ def test_row_statistics_add_up(case, gamma, ngram):
     assert 0 < out.stats["padding_fraction"] < 1
 
 
-def test_finished_rows_leave_the_batch(case):
-    """Rows that stop early cost no more target forwards: the batch dimension shrinks."""
-    family, pair, prompts, expected = case
-    batch_sizes = []
-    hook = pair.target.register_forward_pre_hook(lambda m, args, kw: batch_sizes.append(kw["input_ids"].shape[0]),
-                                                 with_kwargs=True)
+def forward_rows(model, run) -> tuple[list[int], object]:
+    """The rows of each of the model's forwards while run() runs, and what it returned."""
+    rows = []
+    hook = model.register_forward_pre_hook(lambda m, args, kw: rows.append(kw["input_ids"].shape[0]), with_kwargs=True)
     try:
-        out = decode(pair, pair.draft, prompts, gamma=3)
+        return rows, run()
     finally:
         hook.remove()
+
+
+def test_finished_rows_leave_the_batch(case):
+    """Rows that stop early cost no more target forwards: the batch dimension shrinks (where no
+    bigger batch was timed faster: Scripted's)."""
+    family, pair, prompts, expected = case
+    batch_sizes, out = forward_rows(pair.target, lambda: decode(pair, pair.draft, prompts, None, Scripted([3], 8)))
     assert batch_sizes == sorted(batch_sizes, reverse=True) and batch_sizes[-1] < len(prompts)
     assert sum(batch_sizes) == sum(r.stats["target_forwards"] for r in out.rows)  # the prefill: every row's first
+
+
+@pytest.mark.parametrize("gammas,keep", [([0], None), ([3], None), (SWITCHING, 1)])
+def test_rows_that_ended_kept_inert_change_nothing(case, gammas, keep):
+    """Rows that ended and stay in the batch, inert (where more rows were timed faster), change
+    no row's tokens or statistics: every one, or one at a time (the batch shrinks to the live
+    rows and one more)."""
+    family, pair, prompts, expected = case
+    draft = pair.draft if any(gammas) else None
+    idling, leaving = Idling(gammas, 8, keep), Scripted(gammas, 8)  # leaving: rows that end leave the batch
+    rows, out = forward_rows(pair.target, lambda: decode(pair, draft, prompts, None, idling))
+    assert [r.token_ids for r in out.rows] == expected
+    left = decode(pair, draft, prompts, None, leaving)
+    assert [r.stats for r in out.rows] == [r.stats for r in left.rows]
+    assert (idling.accepted, idling.checked) == (leaving.accepted, leaving.checked)  # the run's alpha: live rows'
+    if keep is None:
+        assert set(rows) == {len(prompts)}  # the batch kept its size to the end
+    else:
+        assert rows[-1] < len(prompts) and sum(rows) > sum(r.stats["target_forwards"] for r in out.rows)
+
+
+def test_rows_that_ended_leave_where_their_positions_would_pass_the_context(tiny_pair):
+    """An inert row takes one more position every step: a learned position table (gpt2, 1024)
+    would be read past its end by a long prompt's row idling while a short prompt's row runs on,
+    so that row leaves the batch, though the policy would keep it."""
+    target_path, draft_path = tiny_pair("gpt2")
+    pair = load_pair(str(target_path), str(draft_path), dtype="float32", device="cpu")
+    prompts = random_prompts(len(pair.tokenizer), [1000, 10])
+    limits = [2, 60]  # each within the context: 1000 + 2, 10 + 60
+    config = DecodeConfig(max_new_tokens=60, gamma=3)
+    options = [RowOptions(max_new_tokens=k) for k in limits]
+    rows, out = forward_rows(pair.target, lambda: decode_batch(pair.target, pair.draft, prompts, [0, 1], config, options,
+                                                               Idling([3], 8)))
+    assert [r.token_ids for r in out.rows] == [reference(pair.target, p, [], k) for p, k in zip(prompts, limits)]
+    assert rows[-1] == 1
 
 
 def test_per_row_max_new_tokens(case):

@@ -293,3 +293,22 @@ def test_step_costs_fill_in_gammas_and_batch_sizes_not_timed():
     assert costs.estimates(16, 2) == pytest.approx([4.0, 6.0, 8.0])
     costs.add(4, 2, 4.0)  # a moving average: 2 + 0.2 * (4 - 2)
     assert costs.estimates(4, 2)[2] == pytest.approx(2.4)
+
+
+def test_rows_that_ended_stay_only_where_more_rows_were_timed_faster():
+    """batch_rows: a batch whose live rows fell from 8 to 6 goes on with 6 rows, unless steps of
+    that gamma ran faster with 7 or 8 (by MARGIN): then with the fastest of those."""
+    policy = GammaPolicy(gamma_max=4)
+    assert policy.batch_rows(6, 8, 0) == 6  # nothing timed: the finished rows leave
+    policy.costs.add(8, 0, 0.080)
+    assert policy.batch_rows(6, 8, 0) == 6  # 6 rows never timed: they are tried, and timed
+    policy.costs.add(6, 0, 0.082)
+    policy.costs.add(7, 0, 0.100)
+    assert policy.batch_rows(6, 8, 0) == 6  # 8 rows 2.4 % faster than 6: inside the margin
+    policy.costs.add(8, 0, 0.060)  # moving average: 0.076
+    assert policy.batch_rows(6, 8, 0) == 8  # 8 rows now 7 % faster: the finished rows stay, inert
+    assert policy.batch_rows(6, 7, 0) == 6  # a batch of 7 cannot grow: 7 rows are slower than 6
+    assert policy.batch_rows(6, 8, 2) == 6  # gamma 2 was never timed
+    assert policy.batch_rows(6, 8, 0, tree=True) == 6  # nor were trees
+    policy.costs.add(5, 0, 0.1)
+    assert policy.batch_rows(5, 8, 0) == 8  # the fastest of the sizes above

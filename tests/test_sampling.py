@@ -20,7 +20,7 @@ from batchspec.decoding.engine import BatchDecoder
 from batchspec.models import load_pair
 from batchspec.tiny import perturbed
 
-from policies import Scripted
+from policies import Idling, Scripted
 
 VOCAB, SAMPLES, NEW_TOKENS, ALPHA = 12, 6000, 4, 1e-3
 PROMPT = [1, 5, 7, 2, 9, 5, 7]  # "5 7" recurs: n-gram lookup proposes "2 9 5 7" at once
@@ -203,11 +203,15 @@ def test_row_output_does_not_depend_on_batch_mates(tiny_pair, gamma):
     prompts = {"a": [5, 6, 7], "b": [9] * 40, "c": [11, 12], "d": list(range(20, 90))}
     config = DecodeConfig(max_new_tokens=24, sampling=SamplingParams(temperature=1.0), gamma=gamma or 1, seed=42)
 
-    def run(ids):
-        out = decode_batch(pair.target, draft, [prompts[i] for i in ids], ids, config)
+    def run(ids, limits=None, policy=None):
+        options = limits and [RowOptions(max_new_tokens=k) for k in limits]
+        out = decode_batch(pair.target, draft, [prompts[i] for i in ids], ids, config, options, policy)
         return {i: r.token_ids for i, r in zip(ids, out.rows)}
 
     together = run(["a", "b", "c", "d"])
+    limits = [24, 6, 15, 9]  # rows end at different steps, then stay in the batch, inert
+    idled = run(["a", "b", "c", "d"], limits, Idling([gamma or 0], 8))
+    assert idled == {k: together[k][:limit] for k, limit in zip(together, limits)}
     assert run(["d", "c"]) == {k: together[k] for k in ("d", "c")}
     assert run(["b"]) == {"b": together["b"]}
     other_seed = decode_batch(pair.target, draft, [prompts["b"]], ["b"], DecodeConfig(

@@ -4,7 +4,7 @@ Autoregressive decoding is the same loop with no drafter: every step is a plain 
 the target scores one position and the "bonus" token is simply the next token. Both strategies
 therefore share the cache, positions, randomness and stopping rules.
 
-Each step, for B live rows:
+Each step, for the B rows of the batch (live ones, and rows that ended kept inert: see 7):
   1. choose:  the policy picks gamma for this step (fixed, or auto: 0..gamma_max).
   2. propose: the drafter proposes up to gamma tokens per row, d_1..d_G (G: the most any row
               proposes; a row proposing fewer pads its slots, which are never accepted).
@@ -18,7 +18,10 @@ Each step, for B live rows:
               host) where a stop string completes.
   6. rollback: the target cache is cut to the longest kept row, shorter rows get holes in the
               mask; the drafter cuts its own state.
-  7. evict:   finished rows leave the batch and the caches; compact when holes pile up.
+  7. evict:   finished rows leave the batch and the caches; compact when holes pile up. Where
+              the policy has timed the batch's steps with more rows as faster (CPU matrix
+              kernels can run 7 rows slower than 8), rows that ended stay in it, inert: they
+              accept nothing, add no token and count in no statistic, only in the step's shape.
 
 The first step is the prefill's: a plain step whose forward is the one over the prompts (the
 target then holds them whole), so N tokens decoded plainly cost N target forwards, as in generate.
@@ -425,10 +428,13 @@ class BatchDecoder:
                                      forced_tokens(config, limits, gamma_max, device), self.grammar)
         self.top_logprobs = max((o.logprobs for o in options if o.logprobs is not None), default=None)
         stops = [StopStrings(o.stop, tokenizer, o.include_stop_str) if o.stop else None for o in options]
-        self.tallies = [Tally(b, gamma_max, width, limit, stop, o.logprobs)
-                        for b, (o, limit, stop) in enumerate(zip(options, limits, stops))]  # the live rows, in order
+        self.tallies: list[Tally | None] = [Tally(b, gamma_max, width, limit, stop, o.logprobs) for b, (o, limit, stop)
+                                            in enumerate(zip(options, limits, stops))]  # the batch's rows (None: inert)
         for tally in self.tallies:  # an encoder–decoder's encoding is a forward (the prefill is the first step's)
             tally.target_forwards = int(source is not None)
+        self.idles = getattr(self.drafter, "idle_rows", self.drafter is None) and self.grammar is None  # rows may idle
+        self.context = min((c for m in [target, *drafts] if (c := getattr(m.config, "max_position_embeddings", None))),
+                           default=None)  # positions the models know
         self.expected: Expected | None = None  # what the live rows should yield per gamma (auto)
         self.left = sum(limits)  # tokens the live rows may still generate (auto: kept by expected_tokens)
         self.results: list[RowOutput | None] = [None] * len(prompts)
@@ -437,14 +443,14 @@ class BatchDecoder:
 
     @property
     def done(self) -> bool:
-        return not self.tallies
+        return not any(self.tallies)
 
     @torch.inference_mode()
     def step(self) -> None:
         """One choose/propose/verify/accept/emit/rollback/evict round over the live rows."""
         started = time.perf_counter()
         rows, params, drafter, target_kv = self.rows, self.config.sampling, self.drafter, self.target_kv
-        B = len(self.tallies)
+        B = len(self.tallies)  # live rows and inert ones
         known, self.first_logits = self.first_logits, None  # the prefill's: the first step is plain
         behind = drafter.behind if drafter else 0
         chosen = self.policy.choose(B, self.expected, behind, self.left) if drafter and known is None else 0
@@ -461,6 +467,8 @@ class BatchDecoder:
         lengths, top = proposal.short_lengths(), self.top_logprobs
         n, next_token, raw, proposal = verify(target_kv, rows, proposal, lengths, params, self.processors,
                                               top is not None, known)
+        if None in self.tallies:  # inert rows (produced == limit) accept nothing: they add one slot a step
+            n = torch.where(rows.produced < rows.limit, n, 0)
         gamma, draft_tokens = proposal.width, proposal.tokens
         won = proposal.path.gather(1, n[:, None]) if proposal.path is not None else n[:0]  # [B, 1]: a tree's node
         slots, empty_slots = target_kv.mask.numel(), (target_kv.mask == 0).sum()
@@ -480,6 +488,8 @@ class BatchDecoder:
         blocks = [[int(t) for t in block[: int(k)]] for block, k in zip(split(new_host, [gamma + 1] * B), count_host)]
         row_logprobs = split(lp_host, [len(lp_host) // B] * B) if top is not None else [[]] * B
         for b, tally in enumerate(self.tallies):
+            if tally is None:  # inert: its block is empty
+                continue
             if tally.stop:  # a stop string may complete before the block's EOS or limit too
                 blocks[b] = tally.cut_at_stop(blocks[b])
                 if tally.text_end is not None:
@@ -495,19 +505,21 @@ class BatchDecoder:
         if drafter and self.policy.auto:
             self.expected = self.expected_tokens(n_host, [0] * B if tree else proposal.lengths, finished_host)
         max_n = int(max(n_host))
+        checked_host = sum(min(k + 1, proposed) for k, proposed, tally in zip(n_host, proposal.lengths, self.tallies)
+                           if tally)
+        seconds = time.perf_counter() - started if self.totals["verify_steps"] > 1 else None  # not the first
+        if chosen or not gamma:  # a plain step's jump-forward tells the policy nothing of its choices
+            self.policy.observe(B, gamma, int(sum(n_host)), int(checked_host), seconds, behind, tree)
         if drafter:
-            checked_host = sum(min(k + 1, proposed) for k, proposed in zip(n_host, proposal.lengths))
-            seconds = time.perf_counter() - started if self.totals["verify_steps"] > 1 else None  # not the first
-            if chosen or not gamma:  # a plain step's jump-forward tells the policy nothing of its choices
-                self.policy.observe(B, gamma, int(sum(n_host)), int(checked_host), seconds, behind, tree)
             if gamma:
                 target_kv.rollback(n + 1, gamma + 1, max_n + 1)
             drafter.verified(proposal, rows.last, n, max_n, blocks)
         rows.last = next_token
-        if any(finished_host):
-            if any(t.stop for t in self.tallies):  # stop strings found on the host end rows too
+        ended = [bool(tally) and bool(done) for tally, done in zip(self.tallies, finished_host)]  # live rows that ended
+        if any(ended):
+            if any(t.stop for t in self.tallies if t):  # stop strings found on the host end rows too
                 finished = on_device(finished_host, finished.device, torch.bool)
-            self.evict(finished, finished_host, stopped_host)
+            self.evict(finished, ended, stopped_host, gamma, tree)
         if not self.done and target_kv.length - longest_host >= max(1, self.config.compact_at * target_kv.length):
             target_kv.compact(int(longest_host))
             if drafter:
@@ -526,6 +538,8 @@ class BatchDecoder:
         self.left, those remaining limits summed."""
         alphas, remaining = [], []
         for tally, k, proposed, done in zip(self.tallies, n, lengths, finished):
+            if tally is None:  # inert
+                continue
             tally.seen = row_seen(tally.seen, int(k) if proposed else 0, proposed)  # after a tree: the fading only
             if not done:
                 alphas.append(row_alpha(*tally.seen, self.policy.alpha))
@@ -533,16 +547,32 @@ class BatchDecoder:
         self.left = sum(remaining)
         return expected_tokens(alphas, remaining, self.policy.gamma_max)
 
-    def evict(self, finished: torch.Tensor, finished_host: list[float], stopped_host: list[float]) -> None:
-        """Move finished rows (finished [B] bool, and its host copy) into results and out of the
-        batch and the caches."""
-        for tally, done, stopped in zip(self.tallies, finished_host, stopped_host):
-            if done:
+    def evict(self, finished: torch.Tensor, ended: list[bool], stopped_host: list[float], gamma: int,
+              tree: bool) -> None:
+        """Move the rows that ended this step (ended: host bools) into results, and out of the
+        batch and the caches, or keep them there, inert, where the policy has timed steps (of
+        this gamma; tree: a tree's) with more rows as faster. finished [B] bool: on the device,
+        every row that is not live (ended now, or inert)."""
+        for b, (tally, stopped) in enumerate(zip(self.tallies, stopped_host)):
+            if ended[b]:
                 prompt = self.prompts[tally.index]
                 self.results[tally.index] = tally.output(len(prompt), bool(stopped), self.drafter is not None)
-        kept = [b for b, done in enumerate(finished_host) if not done]
+                self.tallies[b] = None
+        live = [b for b, tally in enumerate(self.tallies) if tally]
+        if not live:
+            return
+        size = self.policy.batch_rows(len(live), len(self.tallies), gamma, tree) if self.may_idle() else len(live)
+        if size > len(live):  # rows that stay accept and add nothing from here on
+            self.rows.limit = torch.where(finished, self.rows.produced, self.rows.limit)
+        if size == len(self.tallies):
+            return
+        idle = [b for b, tally in enumerate(self.tallies) if tally is None]
+        kept = sorted(live + idle[: size - len(live)])
         self.tallies = [self.tallies[b] for b in kept]
-        keep = torch.argsort(finished.to(torch.uint8), stable=True)[: len(kept)]  # kept, on the device
+        if size == len(live):
+            keep = torch.argsort(finished.to(torch.uint8), stable=True)[:size]  # the live rows, on the device
+        else:
+            keep = on_device(kept, finished.device)
         self.rows.select(keep)
         self.processors.select(keep)
         if self.grammar:
@@ -550,6 +580,15 @@ class BatchDecoder:
         self.target_kv.select(keep)
         if self.drafter:
             self.drafter.select(keep, kept)
+
+    def may_idle(self) -> bool:
+        """Whether rows that ended may stay in the batch, inert: not where a drafter would go on
+        proposing for them (n-gram lookup, trees, grammars), and only while the positions they
+        keep taking, one a step, stay inside the models' context."""
+        if not self.idles:
+            return False
+        left = max(t.limit - len(t.tokens) for t in self.tallies if t)  # steps the batch may still take
+        return self.context is None or self.target_kv.length + left + self.policy.gamma_max + 1 <= self.context
 
     def run(self) -> BatchOutput:
         while not self.done:

@@ -52,6 +52,12 @@ per second; gamma 0 is a plain target step, the draft sits out.
   otherwise keep a gamma out for the rest of the run, or, a plain step's, keep speculation on
   where it loses (traced at batch 8 on the embedded pair: a plain step at 7 rows timed once at
   87 ms against 58-65 ms at 6 and 8 rows, and every later step at 7 rows speculated).
+- Rows that ended leave the batch, unless steps were timed faster with more rows (by MARGIN):
+  then they stay in it, inert, and the batch keeps the faster size (batch_rows). CPU matrix
+  kernels are not monotone in their rows: on the 2-core test machine float32 ran a plain step
+  at 7 rows in 100 ms, at 8 in 80 ms (the output layer's kernel: 38 vs 15 ms), where
+  transformers' generate, which keeps finished rows, stays at 8. A batch size not timed yet is
+  evicted to, and timed then; on a GPU fewer rows never cost more, and rows leave.
 - The draft's catch-up: after plain steps (and at a batch's start, its prompts) its first
   forward also reads every token it skipped, a cost per row and skipped token timed on the
   steps that did so (those steps do not count towards T). It is paid once for all the
@@ -314,6 +320,19 @@ class GammaPolicy:
             return best.gamma
         self.since_retime, self.tree = 0, oldest.tree
         return oldest.gamma
+
+    def batch_rows(self, live: int, rows: int, gamma: int, tree: bool = False) -> int:
+        """How many rows a batch of `rows` should go on with once its live rows fell to `live`:
+        live (the rows that ended leave), or more, up to `rows` (that many stay, inert), where
+        steps of this gamma (tree: trees of this depth) were timed faster with more rows, by
+        MARGIN at least. live when steps at live rows were not timed yet: they are timed then."""
+        cells = (self.tree_costs if tree else self.costs).cells
+        own = cells.get(live, {}).get(gamma)
+        timed = {b: cells[b][gamma] for b in range(live + 1, rows + 1) if gamma in cells.get(b, {})}  # B -> seconds
+        if own is None or not timed:
+            return live
+        fastest = min(timed, key=timed.get)
+        return fastest if timed[fastest] < (1 - MARGIN) * own else live
 
     def observe(self, rows: int, gamma: int, accepted: int, checked: int, seconds: float | None,
                 behind: int = 0, tree: bool = False) -> None:

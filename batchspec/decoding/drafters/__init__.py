@@ -14,6 +14,9 @@ batch's rows:
   compact()           the target's cache was compacted; compact any cache of its own.
   behind              tokens the drafter has not seen yet (host int): a step after which it
                       catches up is not a typical step to time.
+  idle_rows           (optional, default False) rows that ended may stay in the batch, inert
+                      (they accept nothing and append nothing): the drafter proposes for them
+                      as for any row, at no cost beyond their share of its forwards.
 
 A draft model that grows token trees (TreeDrafter), and several draft models together
 (SeveralDrafters: their chains merged into one tree) also have

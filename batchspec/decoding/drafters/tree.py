@@ -33,6 +33,8 @@ def tree_problem(models: list) -> str | None:
 
 
 class TreeDrafter(ModelDrafter):
+    idle_rows = False  # rows that ended leave the batch (a tree's verification keeps no inert rows)
+
     def __init__(self, *args, width: int, **kwargs):
         super().__init__(*args, **kwargs)
         self.width = width
