@@ -349,6 +349,22 @@ def test_rows_that_ended_kept_inert_change_nothing(case, gammas, keep):
         assert rows[-1] < len(prompts) and sum(rows) > sum(r.stats["target_forwards"] for r in out.rows)
 
 
+def test_a_step_over_a_batch_of_new_shape_is_not_timed(case):
+    """The prefill's step and the first step after rows left (fresh buffers of new shapes, often
+    slower) go untimed; every other step is timed by its batch's rows."""
+    family, pair, prompts, expected = case
+    timings = []
+
+    class Recording(Scripted):
+        def observe(self, rows, gamma, accepted, checked, seconds, behind=0, tree=False):
+            timings.append((rows, seconds))
+
+    decode(pair, None, prompts, None, Recording([0], 8))
+    rows = [r for r, _ in timings]
+    untimed = [k for k, (_, seconds) in enumerate(timings) if seconds is None]
+    assert untimed == [0] + [k for k in range(1, len(rows)) if rows[k] != rows[k - 1]] and len(untimed) > 2
+
+
 def test_rows_that_ended_leave_where_their_positions_would_pass_the_context(tiny_pair):
     """An inert row takes one more position every step: a learned position table (gpt2, 1024)
     would be read past its end by a long prompt's row idling while a short prompt's row runs on,
@@ -359,8 +375,9 @@ def test_rows_that_ended_leave_where_their_positions_would_pass_the_context(tiny
     limits = [2, 60]  # each within the context: 1000 + 2, 10 + 60
     config = DecodeConfig(max_new_tokens=60, gamma=3)
     options = [RowOptions(max_new_tokens=k) for k in limits]
-    rows, out = forward_rows(pair.target, lambda: decode_batch(pair.target, pair.draft, prompts, [0, 1], config, options,
-                                                               Idling([3], 8)))
+    policy = Idling([3], 8)
+    rows, out = forward_rows(pair.target, lambda: decode_batch(pair.target, pair.draft, prompts, [0, 1], config,
+                                                               options, policy))
     assert [r.token_ids for r in out.rows] == [reference(pair.target, p, [], k) for p, k in zip(prompts, limits)]
     assert rows[-1] == 1
 

@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from batchspec.decoding.policy import (MARGIN, PROBE_LAST, RETIME_GAP, ROW_DECAY, GammaPolicy, StepCosts, expected_tokens,
-                                       row_alpha, row_seen)
+from batchspec.decoding.policy import (KEEP_EVIDENCE, MARGIN, PROBE_LAST, RETIME_GAP, ROW_DECAY, GammaPolicy, StepCosts,
+                                       expected_tokens, row_alpha, row_seen)
 
 ROWS = 4
 
@@ -297,18 +297,26 @@ def test_step_costs_fill_in_gammas_and_batch_sizes_not_timed():
 
 def test_rows_that_ended_stay_only_where_more_rows_were_timed_faster():
     """batch_rows: a batch whose live rows fell from 8 to 6 goes on with 6 rows, unless steps of
-    that gamma ran faster with 7 or 8 (by MARGIN): then with the fastest of those."""
+    that gamma ran faster with 7 or 8 (by KEEP_MARGIN, on the run's means of KEEP_EVIDENCE
+    steps or more): then with the fastest of those."""
     policy = GammaPolicy(gamma_max=4)
+
+    def timed(rows, seconds, steps=KEEP_EVIDENCE):
+        for _ in range(steps):
+            policy.costs.add(rows, 0, seconds)
+
     assert policy.batch_rows(6, 8, 0) == 6  # nothing timed: the finished rows leave
-    policy.costs.add(8, 0, 0.080)
-    assert policy.batch_rows(6, 8, 0) == 6  # 6 rows never timed: they are tried, and timed
-    policy.costs.add(6, 0, 0.082)
-    policy.costs.add(7, 0, 0.100)
-    assert policy.batch_rows(6, 8, 0) == 6  # 8 rows 2.4 % faster than 6: inside the margin
-    policy.costs.add(8, 0, 0.060)  # moving average: 0.076
-    assert policy.batch_rows(6, 8, 0) == 8  # 8 rows now 7 % faster: the finished rows stay, inert
-    assert policy.batch_rows(6, 7, 0) == 6  # a batch of 7 cannot grow: 7 rows are slower than 6
+    timed(8, 0.080)
+    timed(6, 0.100, KEEP_EVIDENCE - 1)
+    assert policy.batch_rows(6, 8, 0) == 6  # too few steps at 6 rows: they are timed first
+    timed(6, 0.100, 1)
+    assert policy.batch_rows(6, 8, 0) == 8  # 8 rows 20 % faster: the finished rows stay, inert
+    assert policy.batch_rows(6, 7, 0) == 6  # a batch of 7 was never timed: it cannot do better
+    timed(7, 0.070)
+    assert policy.batch_rows(6, 8, 0) == 7  # the fastest of the sizes above
+    timed(6, 0.060, 3 * KEEP_EVIDENCE)  # the run's mean at 6 rows: 0.07
+    assert policy.batch_rows(6, 8, 0) == 6  # 7 rows 0 % faster, 8 rows slower: rows leave
+    timed(7, 0.060, 6 * KEEP_EVIDENCE)  # the run's mean at 7 rows: 0.0614, 12 % under 6 rows'
+    assert policy.batch_rows(6, 8, 0) == 7
     assert policy.batch_rows(6, 8, 2) == 6  # gamma 2 was never timed
     assert policy.batch_rows(6, 8, 0, tree=True) == 6  # nor were trees
-    policy.costs.add(5, 0, 0.1)
-    assert policy.batch_rows(5, 8, 0) == 8  # the fastest of the sizes above

@@ -52,12 +52,17 @@ per second; gamma 0 is a plain target step, the draft sits out.
   otherwise keep a gamma out for the rest of the run, or, a plain step's, keep speculation on
   where it loses (traced at batch 8 on the embedded pair: a plain step at 7 rows timed once at
   87 ms against 58-65 ms at 6 and 8 rows, and every later step at 7 rows speculated).
-- Rows that ended leave the batch, unless steps were timed faster with more rows (by MARGIN):
-  then they stay in it, inert, and the batch keeps the faster size (batch_rows). CPU matrix
-  kernels are not monotone in their rows: on the 2-core test machine float32 ran a plain step
-  at 7 rows in 100 ms, at 8 in 80 ms (the output layer's kernel: 38 vs 15 ms), where
-  transformers' generate, which keeps finished rows, stays at 8. A batch size not timed yet is
-  evicted to, and timed then; on a GPU fewer rows never cost more, and rows leave.
+- Rows that ended leave the batch, unless steps were timed faster with more rows (by
+  KEEP_MARGIN): then they stay in it, inert, and the batch keeps the faster size (batch_rows).
+  CPU matrix kernels are not monotone in their rows: on the 2-core test machine float32 ran a
+  plain step at 7 rows in 100 ms, at 8 in 79 ms, at 6 in 82 ms (the output layer's kernel: 38
+  vs 15 ms at 7 and 8 rows), where transformers' generate, which keeps finished rows, stays at
+  8. The sizes compared are timed at different points of a batch (the smaller ones near its
+  end) and each in short runs, so the comparison takes the run's means over KEEP_EVIDENCE
+  steps or more, and only a gap well beyond their noise: bfloat16, with no cliff (47, 49, 50
+  ms at 6, 7, 8 rows, medians), once read 61, 56, 49 ms in the moving averages. A batch size
+  timed fewer times is evicted to, and timed then; on a GPU fewer rows never cost more, and
+  rows leave.
 - The draft's catch-up: after plain steps (and at a batch's start, its prompts) its first
   forward also reads every token it skipped, a cost per row and skipped token timed on the
   steps that did so (those steps do not count towards T). It is paid once for all the
@@ -87,6 +92,8 @@ PROBE_FIRST, PROBE_LAST = 16, 512  # plain steps before a probe of speculation (
 PROBE_BUDGET = 0.01  # the most of the time an expected-to-lose probe (or re-timing) may take
 RETIME_GAP = 16  # speculative steps at least between two re-timings of another gamma
 TREE_LIFT = 1.25  # a tree's alpha over the chain's, before any tree was checked
+KEEP_MARGIN = 0.1  # how much faster a bigger batch's steps must have been timed for rows that end to stay
+KEEP_EVIDENCE = 8  # steps timed at a batch size before its mean time counts for that
 MARGIN = 0.03  # the least gain in expected work per second over a plain step that speculation needs
 PRIOR_FIXED_SHARE = 0.5  # the share of a plain step that does not grow with its rows, before it was measured
 
@@ -143,6 +150,7 @@ class StepCosts:
         self.cells: dict[int, dict[int, float]] = {}  # B -> gamma -> seconds
         self.timings = 0
         self.timed_at: dict[tuple[int, int], int] = {}  # (B, gamma) -> the timing that last updated it
+        self.sums: dict[tuple[int, int], tuple[float, int]] = {}  # (B, gamma) -> the run's seconds summed, steps
 
     def add(self, rows: int, gamma: int, seconds: float) -> None:
         cell = self.cells.setdefault(rows, {})
@@ -151,6 +159,13 @@ class StepCosts:
         cell[gamma] = seconds if old is None or stale else old + self.weight * (seconds - old)
         self.timings += 1
         self.timed_at[rows, gamma] = self.timings
+        total, steps = self.sums.get((rows, gamma), (0.0, 0))
+        self.sums[rows, gamma] = (total + seconds, steps + 1)
+
+    def mean(self, rows: int, gamma: int) -> float | None:
+        """The run's mean seconds of the steps timed at (rows, gamma); None before KEEP_EVIDENCE."""
+        total, steps = self.sums.get((rows, gamma), (0.0, 0))
+        return total / steps if steps >= KEEP_EVIDENCE else None
 
     def estimates(self, rows: int, gamma_max: int) -> list[float] | None:
         """T(rows, g) for g in 0..gamma_max, or None before any step was timed. A batch size
@@ -324,15 +339,17 @@ class GammaPolicy:
     def batch_rows(self, live: int, rows: int, gamma: int, tree: bool = False) -> int:
         """How many rows a batch of `rows` should go on with once its live rows fell to `live`:
         live (the rows that ended leave), or more, up to `rows` (that many stay, inert), where
-        steps of this gamma (tree: trees of this depth) were timed faster with more rows, by
-        MARGIN at least. live when steps at live rows were not timed yet: they are timed then."""
-        cells = (self.tree_costs if tree else self.costs).cells
-        own = cells.get(live, {}).get(gamma)
-        timed = {b: cells[b][gamma] for b in range(live + 1, rows + 1) if gamma in cells.get(b, {})}  # B -> seconds
+        steps of this gamma (tree: trees of this depth) ran faster with more rows, by KEEP_MARGIN
+        at least, on the run's means (the moving averages that price gammas follow the last few
+        steps, too few where a batch size lasts a few steps of each batch). live while steps at
+        live rows were timed fewer than KEEP_EVIDENCE times: they are timed then."""
+        costs = self.tree_costs if tree else self.costs
+        own = costs.mean(live, gamma)
+        timed = {b: t for b in range(live + 1, rows + 1) if (t := costs.mean(b, gamma)) is not None}  # B -> seconds
         if own is None or not timed:
             return live
         fastest = min(timed, key=timed.get)
-        return fastest if timed[fastest] < (1 - MARGIN) * own else live
+        return fastest if timed[fastest] < (1 - KEEP_MARGIN) * own else live
 
     def observe(self, rows: int, gamma: int, accepted: int, checked: int, seconds: float | None,
                 behind: int = 0, tree: bool = False) -> None:
