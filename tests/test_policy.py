@@ -319,4 +319,3 @@ def test_rows_that_ended_stay_only_where_more_rows_were_timed_faster():
     timed(7, 0.060, 6 * KEEP_EVIDENCE)  # the run's mean at 7 rows: 0.0614, 12 % under 6 rows'
     assert policy.batch_rows(6, 8, 0) == 7
     assert policy.batch_rows(6, 8, 2) == 6  # gamma 2 was never timed
-    assert policy.batch_rows(6, 8, 0, tree=True) == 6  # nor were trees

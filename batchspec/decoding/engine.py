@@ -522,7 +522,7 @@ class BatchDecoder:
         if any(ended):
             if any(t.stop for t in self.tallies if t):  # stop strings found on the host end rows too
                 finished = on_device(finished_host, finished.device, torch.bool)
-            self.evict(finished, ended, stopped_host, gamma, tree)
+            self.evict(finished, ended, stopped_host, gamma)
         if not self.done and target_kv.length - longest_host >= max(1, self.config.compact_at * target_kv.length):
             target_kv.compact(int(longest_host))
             if drafter:
@@ -550,11 +550,10 @@ class BatchDecoder:
         self.left = sum(remaining)
         return expected_tokens(alphas, remaining, self.policy.gamma_max)
 
-    def evict(self, finished: torch.Tensor, ended: list[bool], stopped_host: list[float], gamma: int,
-              tree: bool) -> None:
+    def evict(self, finished: torch.Tensor, ended: list[bool], stopped_host: list[float], gamma: int) -> None:
         """Move the rows that ended this step (ended: host bools) into results, and out of the
-        batch and the caches, or keep them there, inert, where the policy has timed steps (of
-        this gamma; tree: a tree's) with more rows as faster. finished [B] bool: on the device,
+        batch and the caches, or keep them there, inert, where the policy has timed steps of
+        this gamma with more rows as faster. finished [B] bool: on the device,
         every row that is not live (ended now, or inert)."""
         for b, (tally, stopped) in enumerate(zip(self.tallies, stopped_host)):
             if ended[b]:
@@ -564,7 +563,7 @@ class BatchDecoder:
         live = [b for b, tally in enumerate(self.tallies) if tally]
         if not live:
             return
-        size = self.policy.batch_rows(len(live), len(self.tallies), gamma, tree) if self.may_idle() else len(live)
+        size = self.policy.batch_rows(len(live), len(self.tallies), gamma) if self.may_idle() else len(live)
         if size > len(live):  # rows that stay accept and add nothing from here on
             self.rows.limit = torch.where(finished, self.rows.produced, self.rows.limit)
         if size == len(self.tallies):

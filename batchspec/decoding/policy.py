@@ -61,8 +61,8 @@ per second; gamma 0 is a plain target step, the draft sits out.
   end) and each in short runs, so the comparison takes the run's means over KEEP_EVIDENCE
   steps or more, and only a gap well beyond their noise: bfloat16, with no cliff (47, 49, 50
   ms at 6, 7, 8 rows, medians), once read 61, 56, 49 ms in the moving averages. A batch size
-  timed fewer times is evicted to, and timed then; on a GPU fewer rows never cost more, and
-  rows leave.
+  timed fewer times is evicted to, and timed then: on a GPU, where fewer rows should never cost
+  more, rows leave. Trees never keep rows (their drafters go on proposing for every row).
 - The draft's catch-up: after plain steps (and at a batch's start, its prompts) its first
   forward also reads every token it skipped, a cost per row and skipped token timed on the
   steps that did so (those steps do not count towards T). It is paid once for all the
@@ -336,16 +336,15 @@ class GammaPolicy:
         self.since_retime, self.tree = 0, oldest.tree
         return oldest.gamma
 
-    def batch_rows(self, live: int, rows: int, gamma: int, tree: bool = False) -> int:
+    def batch_rows(self, live: int, rows: int, gamma: int) -> int:
         """How many rows a batch of `rows` should go on with once its live rows fell to `live`:
         live (the rows that ended leave), or more, up to `rows` (that many stay, inert), where
-        steps of this gamma (tree: trees of this depth) ran faster with more rows, by KEEP_MARGIN
-        at least, on the run's means (the moving averages that price gammas follow the last few
-        steps, too few where a batch size lasts a few steps of each batch). live while steps at
-        live rows were timed fewer than KEEP_EVIDENCE times: they are timed then."""
-        costs = self.tree_costs if tree else self.costs
-        own = costs.mean(live, gamma)
-        timed = {b: t for b in range(live + 1, rows + 1) if (t := costs.mean(b, gamma)) is not None}  # B -> seconds
+        chain steps of this gamma ran faster with more rows, by KEEP_MARGIN at least, on the
+        run's means (the moving averages that price gammas follow the last few steps, too few
+        where a batch size lasts a few steps of each batch). live while steps at live rows were
+        timed fewer than KEEP_EVIDENCE times: they are timed then."""
+        own = self.costs.mean(live, gamma)
+        timed = {b: t for b in range(live + 1, rows + 1) if (t := self.costs.mean(b, gamma)) is not None}  # B -> s
         if own is None or not timed:
             return live
         fastest = min(timed, key=timed.get)
