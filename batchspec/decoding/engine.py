@@ -553,8 +553,8 @@ class BatchDecoder:
     def evict(self, finished: torch.Tensor, ended: list[bool], stopped_host: list[float], gamma: int) -> None:
         """Move the rows that ended this step (ended: host bools) into results, and out of the
         batch and the caches, or keep them there, inert, where the policy has timed steps of
-        this gamma with more rows as faster. finished [B] bool: on the device,
-        every row that is not live (ended now, or inert)."""
+        this gamma with more rows as faster. finished [B] bool: on the device, every row that is
+        not live (ended now, or inert)."""
         for b, (tally, stopped) in enumerate(zip(self.tallies, stopped_host)):
             if ended[b]:
                 prompt = self.prompts[tally.index]

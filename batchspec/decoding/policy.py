@@ -3,7 +3,7 @@
 A step with gamma proposals gives a row whose proposals are each accepted with probability alpha
   E(alpha, gamma) = (1 - alpha^(gamma+1)) / (1 - alpha)
 tokens (Leviathan et al. 2023), never more than the row may still generate, and costs T(B, gamma)
-seconds with B live rows: one target forward over gamma+1 positions and gamma draft forwards.
+seconds with B rows in the batch: one target forward over gamma+1 positions and gamma draft forwards.
 `--gamma auto` picks before every step the gamma in 0..gamma_max with the most expected work
 per second; gamma 0 is a plain target step, the draft sits out.
 
@@ -31,7 +31,7 @@ per second; gamma 0 is a plain target step, the draft sits out.
   the estimate drifts back over a break-even it fell under by chance and speculation is tried
   again; a draft that is useless drifts back there only after hundreds of plain steps and falls
   again at once, for under 1 % of the run's time (tests/test_policy.py).
-- T: whole steps timed as the job runs, by live rows and gamma (a host clock read after the
+- T: whole steps timed as the job runs, by the batch's rows and gamma (a host clock read after the
   step's one sync: no sync added, and on a GPU it holds the launches and the wait alike). A
   gamma not timed yet at B is estimated from those that were (linear in gamma, or carried over
   from the nearest B), tried when that estimate says it pays, and timed then.

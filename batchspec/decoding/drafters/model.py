@@ -28,6 +28,7 @@ def fit_width(logits: torch.Tensor, vocab: int) -> torch.Tensor:
 
 class ModelDrafter:
     idle_rows = True  # rows that ended may stay in the batch, inert: proposing for them costs only their share
+
     def __init__(self, model, ids: torch.Tensor, mask: torch.Tensor, vocab: int, newest: list[int],
                  source: tuple[torch.Tensor, torch.Tensor] | None = None):
         """A draft that owes each prompt but its last token (the newest, which the prefill's plain
