@@ -3,10 +3,12 @@ the hybrid of both) vs our autoregressive baseline vs transformers' generate (an
 generation and prompt lookup, which take one row at a time).
 
 Every method decodes the same prompts, greedy, in batches of each batch size, in one process:
-a warm-up batch first (not timed), then `repeats` interleaved passes (every other one
-backwards), the best counting. Each speculative method keeps one gamma policy for the whole
-cell, as a job keeps one for its run, so auto is timed as it runs once it has measured its step
-costs. Tokens/s counts each row's own completion tokens.
+a warm-up batch first (not timed), then `repeats` passes over the batches, interleaved batch by
+batch (every method decodes a batch before any decodes the next, every other time in reverse
+order), so that a machine whose speed drifts over minutes slows all methods alike; a pass's time
+is its batches' times, the best pass counting. Each speculative method keeps one gamma policy
+for the whole cell, as a job keeps one for its run, so auto is timed as it runs once it has
+measured its step costs. Tokens/s counts each row's own completion tokens.
 """
 
 import re
@@ -47,11 +49,11 @@ class Cell:
     method: str  # HF, ASSISTED, LOOKUP, AR, AUTO, NGRAM, HYBRID or "spec gamma=N"
     config: DecodeConfig
     draft: object | None = None  # the draft model its decoder runs
-    times: list[float] = field(default_factory=list)  # seconds of each timed pass
+    times: list[float] = field(default_factory=list)  # seconds of each timed pass (its batches' times)
     outputs: list[list[int]] = field(default_factory=list)  # completion token ids per prompt (best pass)
     stats: list[dict] = field(default_factory=list)  # per-row stats (batchspec methods; best pass)
     forwards: int = 0  # target forwards in the best pass
-    peak_mib: float | None = None  # the most memory a pass held above what was held before it
+    peak_mib: float | None = None  # the most memory a batch's run held above what was held before it
     mismatches: list[dict] = field(default_factory=list)  # rows unlike its reference's (fidelity.mismatches)
     policy: GammaPolicy | None = None
     steps: GammaPolicy | None = None  # ar's: no gamma, the step timings a job keeps across batches (batch_rows)
@@ -115,6 +117,18 @@ class Cell:
         counts[:1] = [counts[0] - len(self.stats)] if counts else []
         steps = sum(counts)
         return " ".join(f"{g}:{100 * c / steps:.0f}%" for g, c in enumerate(counts) if c) if steps else ""
+
+
+@dataclass
+class Run:
+    """One batch decoded by one cell."""
+
+    outputs: list[list[int]]  # completion token ids per row
+    stats: list[dict] = field(default_factory=list)  # per-row stats (batchspec methods)
+    mask_seconds: float = 0.0  # host time its grammar masks took
+    seconds: float = 0.0  # its time, timed
+    forwards: int = 0  # its target forwards
+    peak_mib: float | None = None  # the most memory it held above what was held before it
 
 
 def geometric_alpha(accepted: float, shares: dict[int, float]) -> float:
@@ -260,22 +274,15 @@ def timed(fn):
     return time.perf_counter() - start, result
 
 
-def decode_all(pair, cell: Cell, prompts: list[list[int]]) -> tuple[list, list, float]:
-    """Completions and row stats of every prompt, decoded by cell.method in batches of its size,
-    and the seconds grammar masks took."""
-    outputs, stats, mask_seconds = [], [], 0.0
-    for start in range(0, len(prompts), cell.batch_size):
-        batch = prompts[start : start + cell.batch_size]
-        if cell.method in (HF, ASSISTED, LOOKUP):
-            outputs += hf_generate(pair, batch, cell.config, cell.method)
-            continue
-        options = [cell.options] * len(batch) if cell.options else None
-        result = decode_batch(pair.target, cell.draft, batch, list(range(len(batch))), cell.config, options,
-                              cell.policy or cell.steps, pair.tokenizer)
-        outputs += [r.token_ids for r in result.rows]
-        stats += [r.stats for r in result.rows]
-        mask_seconds += result.stats["mask_seconds"]
-    return outputs, stats, mask_seconds
+def decode(pair, cell: Cell, batch: list[list[int]]) -> Run:
+    """One batch decoded by cell.method: completions, row stats, the seconds grammar masks took
+    (timing and counting are the caller's)."""
+    if cell.method in (HF, ASSISTED, LOOKUP):
+        return Run(hf_generate(pair, batch, cell.config, cell.method))
+    options = [cell.options] * len(batch) if cell.options else None
+    result = decode_batch(pair.target, cell.draft, batch, list(range(len(batch))), cell.config, options,
+                          cell.policy or cell.steps, pair.tokenizer)
+    return Run([r.token_ids for r in result.rows], [r.stats for r in result.rows], result.stats["mask_seconds"])
 
 
 def methods(pair, batch_size: int, drafters: list[str], gammas: list[int], base: DecodeConfig,
@@ -330,12 +337,14 @@ def copies(samples: int) -> str:
 def bench_size(pair, prompts, batch_size: int, drafters: list[str], gammas: list[int], base: DecodeConfig,
                ngram: tuple[int, int], repeats: int, with_options: bool, samples: int,
                schema: RowOptions | None = None, tree_widths: tuple[int, ...] = ()) -> list[Cell]:
-    """Every method at one batch size: a warm-up batch each, then interleaved timed passes
-    (counting target forwards and the memory each pass held)."""
+    """Every method at one batch size: a warm-up batch each, then timed passes interleaved batch
+    by batch (counting target forwards and the memory each run held)."""
     cells = methods(pair, batch_size, drafters, gammas, base, ngram, with_options, samples, schema, tree_widths)
     for cell in cells:
-        decode_all(pair, cell, cell.prompts(prompts)[:batch_size])  # warm-up; auto measures its costs
+        decode(pair, cell, cell.prompts(prompts)[:batch_size])  # warm-up; auto measures its costs
     costs = forward_costs(pair, prompts[:batch_size], max(gammas + [base.gamma_max]))  # warm, as the passes run
+    starts = range(0, len(prompts), batch_size)
+    runs = {id(cell): [[] for _ in starts] for cell in cells}  # per cell, per batch: its timed Runs
     forwards = 0
 
     def count(*_):
@@ -344,26 +353,42 @@ def bench_size(pair, prompts, batch_size: int, drafters: list[str], gammas: list
 
     hook = pair.target.register_forward_pre_hook(count)
     try:
-        for cell in passes(cells, repeats):
-            forwards = 0
+        for cell, b in interleaved(cells, len(starts), repeats):
+            forwards, batch = 0, cell.prompts(prompts)[starts[b] : starts[b] + batch_size]
             with PeakMemory(pair.target.device) as memory:
-                seconds, (outputs, stats, masks) = timed(lambda c=cell: decode_all(pair, c, c.prompts(prompts)))
-            if not cell.times or seconds < cell.seconds:
-                cell.outputs, cell.stats, cell.forwards, cell.mask_seconds = outputs, stats, forwards, masks
-            cell.times.append(seconds)
-            cell.peak_mib = max((m for m in (cell.peak_mib, memory.mib) if m is not None), default=None)
+                seconds, run = timed(lambda c=cell: decode(pair, c, batch))
+            run.seconds, run.forwards, run.peak_mib = seconds, forwards, memory.mib
+            runs[id(cell)][b].append(run)
     finally:
         hook.remove()
     for cell in cells:
+        settle(cell, runs[id(cell)])
         cell.ideal = ideal_speedup(cell, cells, costs)
     return cells
 
 
-def passes(cells: list[Cell], repeats: int):
-    """The timed passes' cells in order: every other pass backwards, so that no method always runs
-    after the same ones (on a machine that slows along a pass, or a heap the methods before grew)."""
+def interleaved(cells: list[Cell], batches: int, repeats: int):
+    """The timed runs in order, (cell, batch index), pass after pass: every cell decodes a batch
+    before any decodes the next, so that a machine whose speed drifts over minutes slows every
+    method alike; every other batch, and each batch every other pass, in reverse order, so that
+    no method always runs after the same ones (on a machine that slows along a batch's turn, or
+    a heap the methods before grew)."""
     for repeat in range(repeats):
-        yield from cells if repeat % 2 == 0 else cells[::-1]
+        for batch in range(batches):
+            for cell in cells if (repeat + batch) % 2 == 0 else cells[::-1]:
+                yield cell, batch
+
+
+def settle(cell: Cell, runs: list[list[Run]]) -> None:
+    """The cell's results from its runs (per batch, one per pass): its best pass counts (a pass's
+    time is its batches' times)."""
+    cell.times = [sum(batch[p].seconds for batch in runs) for p in range(len(runs[0]))]
+    best = [batch[cell.times.index(min(cell.times))] for batch in runs]
+    cell.outputs = [row for run in best for row in run.outputs]
+    cell.stats = [row for run in best for row in run.stats]
+    cell.forwards = sum(run.forwards for run in best)
+    cell.mask_seconds = sum(run.mask_seconds for run in best)
+    cell.peak_mib = max((run.peak_mib for batch in runs for run in batch if run.peak_mib is not None), default=None)
 
 
 class PeakMemory:

@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 from PIL import Image
 
-from batchspec.bench import AUTO, Cell, ForwardCosts, PeakMemory, bench, geometric_alpha, ideal_speedup, passes
+from batchspec.bench import AUTO, Cell, ForwardCosts, PeakMemory, bench, geometric_alpha, ideal_speedup, interleaved, settle, Run
 from batchspec.decoding import DecodeConfig
 from batchspec.bench_files import COLUMNS
 from batchspec.cli import main
@@ -193,11 +193,29 @@ def test_jensen_shannon_bounds():
     torch.testing.assert_close(jensen_shannon(p, q), torch.tensor([math.log(2), 0.0]))
 
 
-def test_every_other_pass_runs_the_methods_backwards():
-    """No method always runs last, after all the others (a machine slowing along a pass would
-    count against it alone)."""
-    assert list(passes(["ar", "spec gamma=1", "spec auto"], 3)) == [
-        "ar", "spec gamma=1", "spec auto", "spec auto", "spec gamma=1", "ar", "ar", "spec gamma=1", "spec auto"]
+def test_methods_take_turns_batch_by_batch():
+    """Every method decodes a batch before any decodes the next (a machine drifting over minutes
+    slows all alike), and no method always runs after the same ones: each batch sees the methods
+    in both orders over two passes."""
+    order = list(interleaved(["ar", "spec gamma=1", "spec auto"], batches=2, repeats=2))
+    forward, backward = ["ar", "spec gamma=1", "spec auto"], ["spec auto", "spec gamma=1", "ar"]
+    assert order == [(m, 0) for m in forward] + [(m, 1) for m in backward] + \
+        [(m, 0) for m in backward] + [(m, 1) for m in forward]
+    assert [b for _, b in interleaved(["ar"], batches=3, repeats=1)] == [0, 1, 2]
+
+
+def test_a_cells_best_pass_counts():
+    """A pass's time sums its batches' runs; the fastest pass counts, with its rows and stats;
+    the memory is the most any run held."""
+    cell = Cell(2, AUTO, DecodeConfig(max_new_tokens=4))
+    runs = [[Run([[1]], [{"s": "a0"}], seconds=3.0, forwards=5, peak_mib=1.0),
+             Run([[1]], [{"s": "a1"}], seconds=2.0, forwards=4, peak_mib=None)],
+            [Run([[2, 3]], [{"s": "b0"}], seconds=1.0, forwards=2, peak_mib=7.0),
+             Run([[2, 3]], [{"s": "b1"}], seconds=4.0, forwards=3, peak_mib=2.0)]]
+    settle(cell, runs)
+    assert cell.times == [4.0, 6.0] and cell.seconds == 4.0 and cell.rate == 0.75
+    assert cell.outputs == [[1], [2, 3]] and cell.stats == [{"s": "a0"}, {"s": "b0"}]
+    assert cell.forwards == 7 and cell.peak_mib == 7.0
 
 
 def test_peak_memory_sees_an_allocation_freed_before_the_block_ends():
