@@ -311,10 +311,17 @@ def test_row_statistics_add_up(case, gamma, ngram):
     assert 0 < out.stats["padding_fraction"] < 1
 
 
-def forward_rows(model, run) -> tuple[list[int], object]:
-    """The rows of each of the model's forwards while run() runs, and what it returned."""
+def forward_rows(model, run, widths: list | None = None) -> tuple[list[int], object]:
+    """The rows of each of the model's forwards while run() runs (and into `widths` their
+    positions), and what it returned."""
     rows = []
-    hook = model.register_forward_pre_hook(lambda m, args, kw: rows.append(kw["input_ids"].shape[0]), with_kwargs=True)
+
+    def record(module, args, kwargs):
+        rows.append(kwargs["input_ids"].shape[0])
+        if widths is not None:
+            widths.append(kwargs["input_ids"].shape[1])
+
+    hook = model.register_forward_pre_hook(record, with_kwargs=True)
     try:
         return rows, run()
     finally:
@@ -330,19 +337,26 @@ def test_finished_rows_leave_the_batch(case):
     assert sum(batch_sizes) == sum(r.stats["target_forwards"] for r in out.rows)  # the prefill: every row's first
 
 
-@pytest.mark.parametrize("gammas,keep", [([0], None), ([3], None), (SWITCHING, 1)])
-def test_rows_that_ended_kept_inert_change_nothing(case, gammas, keep):
+@pytest.mark.parametrize("drafter,gammas,keep", [("ar", [0], None), ("model", [3], None), ("model", SWITCHING, 1),
+                                                  ("ngram", [3], None), ("hybrid", SWITCHING, 1)])
+def test_rows_that_ended_kept_inert_change_nothing(case, drafter, gammas, keep):
     """Rows that ended and stay in the batch, inert (where more rows were timed faster), change
     no row's tokens or statistics: every one, or one at a time (the batch shrinks to the live
-    rows and one more)."""
+    rows and one more); a lookup proposes nothing for them, so no step is wider than with the
+    rows gone, and the hybrid's model runs no more often (its forwards are in the stats)."""
     family, pair, prompts, expected = case
-    draft = pair.draft if any(gammas) else None
+    draft = pair.draft if drafter in ("model", "hybrid") else None
+    ngram = LOOKUP if drafter in ("ngram", "hybrid") else None
     idling, leaving = Idling(gammas, 8, keep), Scripted(gammas, 8)  # leaving: rows that end leave the batch
-    rows, out = forward_rows(pair.target, lambda: decode(pair, draft, prompts, None, idling))
+    widths, left_widths = [], []
+    rows, out = forward_rows(pair.target, lambda: decode(pair, draft, prompts, None, idling, ngram=ngram), widths)
     assert [r.token_ids for r in out.rows] == expected
-    left = decode(pair, draft, prompts, None, leaving)
+    _, left = forward_rows(pair.target, lambda: decode(pair, draft, prompts, None, leaving, ngram=ngram), left_widths)
     assert [r.stats for r in out.rows] == [r.stats for r in left.rows]
+    assert widths == left_widths  # each step as wide as the live rows' proposals make it
     assert (idling.accepted, idling.checked) == (leaving.accepted, leaving.checked)  # the run's alpha: live rows'
+    if ngram:
+        assert sum(r.stats["ngram_steps"] for r in out.rows) > 0
     if keep is None:
         assert set(rows) == {len(prompts)}  # the batch kept its size to the end
     else:

@@ -566,8 +566,13 @@ class BatchDecoder:
         size = self.policy.batch_rows(len(live), len(self.tallies), gamma) if self.may_idle() else len(live)
         if size > len(live):  # rows that stay accept and add nothing from here on
             self.rows.limit = torch.where(finished, self.rows.produced, self.rows.limit)
-        if size == len(self.tallies):
-            return
+        if size < len(self.tallies):
+            self.shrink(size, live, finished)
+        if size > len(live) and self.drafter:
+            self.drafter.idle([tally is None for tally in self.tallies])
+
+    def shrink(self, size: int, live: list[int], finished: torch.Tensor) -> None:
+        """Keep `size` rows of the batch: the live ones (host indices) and the first inert ones."""
         idle = [b for b, tally in enumerate(self.tallies) if tally is None]
         kept = sorted(live + idle[: size - len(live)])
         self.tallies = [self.tallies[b] for b in kept]
@@ -584,9 +589,9 @@ class BatchDecoder:
             self.drafter.select(keep, kept)
 
     def may_idle(self) -> bool:
-        """Whether rows that ended may stay in the batch, inert: not where a drafter would go on
-        proposing for them (n-gram lookup, trees, grammars), and only while the positions they
-        keep taking, one a step, stay inside the models' context."""
+        """Whether rows that ended may stay in the batch, inert: not with trees (their drafters
+        would go on proposing for them) or grammars, and only while the positions they keep
+        taking, one a step, stay inside the models' context."""
         if not self.idles:
             return False
         left = max(t.limit - len(t.tokens) for t in self.tallies if t)  # steps the batch may still take

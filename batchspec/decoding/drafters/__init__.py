@@ -15,8 +15,11 @@ batch's rows:
   behind              tokens the drafter has not seen yet (host int): a step after which it
                       catches up is not a typical step to time.
   idle_rows           (optional, default False) rows that ended may stay in the batch, inert
-                      (they accept nothing and append nothing): the drafter proposes for them
-                      as for any row, at no cost beyond their share of its forwards.
+                      (they accept nothing and append nothing); such a drafter also has
+  idle(inert)         inert: host bools, each row of the batch (after select) whether it is
+                      inert. A draft model proposes for them as for any row (their share of its
+                      forwards); a lookup proposes nothing for them, so that they never widen
+                      a step or wake the draft model.
 
 A draft model that grows token trees (TreeDrafter), and several draft models together
 (SeveralDrafters: their chains merged into one tree) also have

@@ -117,6 +117,9 @@ class ModelDrafter:
         self.owed = torch.cat([self.owed, tokens], dim=1)
         self.owed_mask = torch.cat([self.owed_mask, mask], dim=1)
 
+    def idle(self, inert: list[bool]) -> None:
+        """Inert rows are proposed for as any row: they cost only their share of the forwards."""
+
     def select(self, keep: torch.Tensor, kept: list[int]) -> None:
         self.kv.select(keep)
         self.owed, self.owed_mask = self.owed[keep], self.owed_mask[keep]
