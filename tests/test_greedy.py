@@ -11,6 +11,8 @@ import torch
 from transformers import GenerationConfig
 
 from batchspec.decoding import DecodeConfig, RowOptions, decode_batch
+from batchspec.decoding.engine import BatchDecoder
+from batchspec.decoding.policy import ROW_DECAY
 from batchspec.models import load_pair
 from batchspec.tiny import perturbed, shallow
 
@@ -147,6 +149,29 @@ def test_lookup_greedy_equals_target_alone(case, drafter, gamma):
             assert any(s["gamma_histogram"][0] for s in stats)
         else:  # the model proposes where the lookup finds nothing
             assert sum(s["model_steps"] for s in stats) > 0
+
+
+def test_a_row_without_a_match_counts_as_a_rejected_proposal(case):
+    """A lookup row that proposes nothing beside rows that do yields one token from a step of
+    their width, as a row whose first proposal was rejected: the alpha that prices auto's steps
+    counts it so (else a batch whose rows mostly find no match would be priced at its matched
+    rows' acceptance)."""
+    family, pair, prompts, expected = case
+    config = DecodeConfig(max_new_tokens=MAX_NEW, eos_token_ids=pair.eos_token_ids, ngram=LOOKUP)
+    decoder = BatchDecoder(pair.target, None, prompts, list(range(len(prompts))), config, policy=Scripted([3], 8))
+    proposals, propose = [], decoder.drafter.propose
+    decoder.drafter.propose = lambda *args: proposals.append(propose(*args)) or proposals[-1]
+    misses = 0
+    while not decoder.done:
+        rows, proposed = list(decoder.tallies), len(proposals)
+        seen = [row.seen for row in rows]
+        decoder.step()
+        if len(proposals) > proposed and proposals[-1].width:  # proposals verified (the first step: the prefill's)
+            for row, (accepted, checked), k in zip(rows, seen, proposals[-1].lengths):
+                if k == 0:
+                    assert row.seen == pytest.approx((accepted * ROW_DECAY, checked * ROW_DECAY + 1))
+                    misses += 1
+    assert misses > 0 and [r.token_ids for r in decoder.output().rows] == expected
 
 
 @pytest.mark.parametrize("draft", ["model", "ar", "ngram", "hybrid"])

@@ -503,11 +503,15 @@ class BatchDecoder:
         if self.grammar:
             self.grammar.advance(blocks)
         tree = proposal.path is not None
+        # a row that proposed nothing in a step that verified proposals (a lookup without a match
+        # beside rows with one) yielded one token at the step's width, as a row whose first
+        # proposal was rejected: so its alpha, and the run's, count it (a step where no row
+        # proposed is a plain step, and tells nothing)
+        offered = [k or int(gamma > 0) for k in proposal.lengths]  # [B] host
         if drafter and self.policy.auto:
-            self.expected = self.expected_tokens(n_host, [0] * B if tree else proposal.lengths, finished_host)
+            self.expected = self.expected_tokens(n_host, [0] * B if tree else offered, finished_host)
         max_n = int(max(n_host))
-        checked_host = sum(min(k + 1, proposed) for k, proposed, tally in zip(n_host, proposal.lengths, self.tallies)
-                           if tally)
+        checked_host = sum(min(k + 1, proposed) for k, proposed, tally in zip(n_host, offered, self.tallies) if tally)
         # untimed: the prefill's step, and the first over a batch of new shape (fresh buffers: up to 30 % slower)
         seconds = time.perf_counter() - started if B == self.last_rows else None
         self.last_rows = B
