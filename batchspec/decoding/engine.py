@@ -503,11 +503,12 @@ class BatchDecoder:
         if self.grammar:
             self.grammar.advance(blocks)
         tree = proposal.path is not None
-        # a row that proposed nothing in a step that verified proposals (a lookup without a match
-        # beside rows with one) yielded one token at the step's width, as a row whose first
-        # proposal was rejected: so its alpha, and the run's, count it (a step where no row
-        # proposed is a plain step, and tells nothing)
-        offered = [k or int(gamma > 0) for k in proposal.lengths]  # [B] host
+        # a row that proposed nothing in a speculative step that verified proposals (a lookup
+        # without a match beside rows with one) yielded one token at the step's width, as a row
+        # whose first proposal was rejected: so its alpha, and the run's, count it (a step where
+        # no row proposed is a plain step, and a plain step's jump-forward no choice: neither
+        # tells anything)
+        offered = [k or int(chosen > 0 and gamma > 0) for k in proposal.lengths]  # [B] host
         if drafter and self.policy.auto:
             self.expected = self.expected_tokens(n_host, [0] * B if tree else offered, finished_host)
         max_n = int(max(n_host))
