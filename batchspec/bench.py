@@ -383,7 +383,8 @@ def settle(cell: Cell, runs: list[list[Run]]) -> None:
     """The cell's results from its runs (per batch, one per pass): its best pass counts (a pass's
     time is its batches' times)."""
     cell.times = [sum(batch[p].seconds for batch in runs) for p in range(len(runs[0]))]
-    best = [batch[cell.times.index(min(cell.times))] for batch in runs]
+    fastest = cell.times.index(min(cell.times))
+    best = [batch[fastest] for batch in runs]
     cell.outputs = [row for run in best for row in run.outputs]
     cell.stats = [row for run in best for row in run.stats]
     cell.forwards = sum(run.forwards for run in best)
