@@ -51,7 +51,15 @@ per second; gamma 0 is a plain target step, the draft sits out.
   timing (a busy machine; a batch size's first step, with tensor shapes not run before) would
   otherwise keep a gamma out for the rest of the run, or, a plain step's, keep speculation on
   where it loses (traced at batch 8 on the embedded pair: a plain step at 7 rows timed once at
-  87 ms against 58-65 ms at 6 and 8 rows, and every later step at 7 rows speculated).
+  87 ms against 58-65 ms at 6 and 8 rows, and every later step at 7 rows speculated). A
+  plain step's cost at this B timed PLAIN_STALE timings ago or more is re-timed first, on a
+  budget of its own: whether speculation pays at all turns on it, and the shared budget,
+  priced by the same stale cost, went to the many gammas > 0. The machine's speed comes in
+  phases minutes apart that do not slow every step alike (the 2-core VM: plain steps at 8 rows
+  75 ms in one, 115 in the next, gamma 1's 105 and 125), and plain costs timed in a slow phase
+  kept a batch speculating at 0.9x plain steps in the fast one after it. Simulated with phases
+  that change between batches (tests/test_policy.py), this took auto from 0.96x to 1.00x plain
+  steps where gamma 1 lost 14 % in one phase; it costs a strongly paying pair under 1 %.
 - Rows that ended leave the batch, unless steps were timed faster with more rows (by
   KEEP_MARGIN): then they stay in it, inert, and the batch keeps the faster size (batch_rows).
   CPU matrix kernels are not monotone in their rows: on the 2-core test machine float32 ran a
@@ -91,6 +99,7 @@ PRIOR_SLOPE = 0.1  # a proposal's cost relative to a plain step, before two gamm
 PROBE_FIRST, PROBE_LAST = 16, 512  # plain steps before a probe of speculation (doubling)
 PROBE_BUDGET = 0.01  # the most of the time an expected-to-lose probe (or re-timing) may take
 RETIME_GAP = 16  # speculative steps at least between two re-timings of another gamma
+PLAIN_STALE = 2 * RETIME_GAP  # timings after which a plain step's cost at a batch size is re-timed whatever it seems to lose
 TREE_LIFT = 1.25  # a tree's alpha over the chain's, before any tree was checked
 KEEP_MARGIN = 0.1  # how much faster a bigger batch's steps must have been timed for rows that end to stay
 KEEP_EVIDENCE = 8  # steps timed at a batch size before its mean time counts for that
@@ -231,6 +240,12 @@ class Choice(NamedTuple):
     seconds: float  # its expected cost, the draft's catch-up aside
 
 
+def loss(other: Choice, best: Choice) -> float:
+    """What a step of `other` instead of `best` is expected to lose, in best's steps: its cost
+    less its work."""
+    return other.seconds / best.seconds - other.work / best.work
+
+
 class GammaPolicy:
     """gamma per step. fixed: always that gamma; None: auto, up to gamma_max. trees: a tree may
     be proposed instead of a chain (`tree` tells which the last choice was): always with a fixed
@@ -250,6 +265,7 @@ class GammaPolicy:
         self.tree_accepted, self.tree_checked = 0.0, 0.0  # decayed totals of the trees' paths
         self.plain_steps, self.probe_gap = 0, PROBE_FIRST
         self.since_retime = 0  # speculative steps since another gamma than the best was re-timed
+        self.credit, self.plain_credit = 0.0, 0.0  # best steps' worth of loss re-timings (stale plain steps') may spend
         self.catch_up: float | None = None  # seconds a step spends per row and token the draft skipped
 
     @property
@@ -323,17 +339,27 @@ class GammaPolicy:
         return probe.gamma
 
     def retime(self, rows: int, best: Choice, choices: list[Choice]) -> int:
-        """best's gamma, or another choice's (a plain step's included): the one timed longest ago
-        at `rows`, once RETIME_GAP steps have passed and its estimated loss against best is
-        PROBE_BUDGET of the steps since the last re-timing. A cost is updated only when its
-        gamma runs, so a slow timing (a busy machine, new shapes) would otherwise stand for good."""
+        """best's gamma, or another choice's: the one timed longest ago at `rows`, RETIME_GAP
+        steps after the last re-timing at least, once the steps since the last have earned
+        PROBE_BUDGET each of its estimated loss against best. A cost is updated only when its
+        gamma runs, so a slow timing (a busy machine, new shapes) would otherwise stand for good.
+        A plain step not timed at `rows` in PLAIN_STALE timings comes first, on a budget of its
+        own that keeps what it did not spend (ready when a phase of the machine ends): whether
+        to speculate at all turns on its cost, and the many gammas > 0 would spend the shared
+        budget."""
         self.since_retime += 1
-        others = [c for c in choices if (c.gamma, c.tree) != (best.gamma, best.tree)]  # choices[0]: plain
-        oldest = min(others, key=lambda c: (self.tree_costs if c.tree else self.costs).timed_at.get((rows, c.gamma), 0))
-        loss = oldest.seconds / best.seconds - oldest.work / best.work  # in best steps: cost - work
-        if self.since_retime < max(RETIME_GAP, loss / PROBE_BUDGET):
+        self.credit, self.plain_credit = self.credit + PROBE_BUDGET, self.plain_credit + PROBE_BUDGET
+        if self.since_retime < RETIME_GAP:
             return best.gamma
-        self.since_retime, self.tree = 0, oldest.tree
+        if (self.costs.timings - self.costs.timed_at.get((rows, 0), 0) > PLAIN_STALE
+                and self.plain_credit >= loss(choices[0], best)):  # choices[0]: the plain step
+            self.since_retime, self.plain_credit, self.tree = 0, self.plain_credit - loss(choices[0], best), False
+            return 0
+        others = [c for c in choices if (c.gamma, c.tree) != (best.gamma, best.tree)]
+        oldest = min(others, key=lambda c: (self.tree_costs if c.tree else self.costs).timed_at.get((rows, c.gamma), 0))
+        if self.credit < loss(oldest, best):
+            return best.gamma
+        self.since_retime, self.credit, self.tree = 0, 0.0, oldest.tree
         return oldest.gamma
 
     def batch_rows(self, live: int, rows: int, gamma: int) -> int:
