@@ -58,8 +58,8 @@ per second; gamma 0 is a plain target step, the draft sits out.
   phases minutes apart that do not slow every step alike (the 2-core VM: plain steps at 8 rows
   75 ms in one, 115 in the next, gamma 1's 105 and 125), and plain costs timed in a slow phase
   kept a batch speculating at 0.9x plain steps in the fast one after it. Simulated with phases
-  that change between batches (tests/test_policy.py), this took auto from 0.96x to 1.00x plain
-  steps where gamma 1 lost 14 % in one phase; it costs a strongly paying pair under 1 %.
+  drawn at random per batch, where gamma 1 loses 14 % in one (tests/test_policy.py), this took
+  auto from 0.93x to 0.98x plain steps; it costs a strongly paying pair under 1 %.
 - Rows that ended leave the batch, unless steps were timed faster with more rows (by
   KEEP_MARGIN): then they stay in it, inert, and the batch keeps the faster size (batch_rows).
   CPU matrix kernels are not monotone in their rows: on the 2-core test machine float32 ran a
