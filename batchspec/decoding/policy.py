@@ -99,7 +99,7 @@ PRIOR_SLOPE = 0.1  # a proposal's cost relative to a plain step, before two gamm
 PROBE_FIRST, PROBE_LAST = 16, 512  # plain steps before a probe of speculation (doubling)
 PROBE_BUDGET = 0.01  # the most of the time an expected-to-lose probe (or re-timing) may take
 RETIME_GAP = 16  # speculative steps at least between two re-timings of another gamma
-PLAIN_STALE = 2 * RETIME_GAP  # timings after which a plain step's cost at a batch size is re-timed whatever it seems to lose
+PLAIN_STALE = 2 * RETIME_GAP  # timings after which a plain step's cost at B is re-timed first, on its own budget
 TREE_LIFT = 1.25  # a tree's alpha over the chain's, before any tree was checked
 KEEP_MARGIN = 0.1  # how much faster a bigger batch's steps must have been timed for rows that end to stay
 KEEP_EVIDENCE = 8  # steps timed at a batch size before its mean time counts for that
@@ -351,9 +351,9 @@ class GammaPolicy:
         self.credit, self.plain_credit = self.credit + PROBE_BUDGET, self.plain_credit + PROBE_BUDGET
         if self.since_retime < RETIME_GAP:
             return best.gamma
-        if (self.costs.timings - self.costs.timed_at.get((rows, 0), 0) > PLAIN_STALE
-                and self.plain_credit >= loss(choices[0], best)):  # choices[0]: the plain step
-            self.since_retime, self.plain_credit, self.tree = 0, self.plain_credit - loss(choices[0], best), False
+        plain_loss = loss(choices[0], best)  # choices[0]: the plain step
+        if self.costs.timings - self.costs.timed_at.get((rows, 0), 0) > PLAIN_STALE and self.plain_credit >= plain_loss:
+            self.since_retime, self.plain_credit, self.tree = 0, self.plain_credit - plain_loss, False
             return 0
         others = [c for c in choices if (c.gamma, c.tree) != (best.gamma, best.tree)]
         oldest = min(others, key=lambda c: (self.tree_costs if c.tree else self.costs).timed_at.get((rows, c.gamma), 0))
