@@ -60,6 +60,13 @@ per second; gamma 0 is a plain target step, the draft sits out.
   kept a batch speculating at 0.9x plain steps in the fast one after it. Simulated with phases
   drawn at random per batch, where gamma 1 loses 14 % in one (tests/test_policy.py), this took
   auto from 0.93x to 0.98x plain steps; it costs a strongly paying pair under 1 %.
+- A plain cost that one timing alone turned against speculation (a stale cell that started
+  again from it, where the cost it replaced had plain steps win) is timed once more before
+  speculation goes on it, and the lesser of the two stands. Speculating, a plain step is not
+  timed again, so a plain timing that reads high stands (one that reads low is timed again at
+  once): traced on a paying pair at 16 rows, each batch's first plain step read 57 ms against
+  41-45 around it, gamma 2 then looked 1.3x better, and the batch speculated where every fixed
+  gamma lost 9-12 %. It costs one plain step per such restart.
 - Rows that ended leave the batch, unless steps were timed faster with more rows (by
   KEEP_MARGIN): then they stay in it, inert, and the batch keeps the faster size (batch_rows).
   CPU matrix kernels are not monotone in their rows: on the 2-core test machine float32 ran a
@@ -150,26 +157,42 @@ def row_alpha(accepted: float, checked: float, prior: float) -> float:
 
 
 class StepCosts:
-    """Seconds per step by (live rows B, gamma): moving averages of timed steps (a cell not
-    timed in RETIME_GAP timings starts again from the new one), and estimates for cells not
-    timed yet."""
+    """Seconds per step by (live rows B, gamma): moving averages of timed steps, and estimates
+    for cells not timed yet. A cell not timed in RETIME_GAP timings starts again from the new
+    one; a plain step's second timing since then replaces the first if lower (it confirms a
+    cost that turned the choice to speculation: see GammaPolicy.choose)."""
 
     def __init__(self, weight: float = 0.2):
         self.weight = weight
         self.cells: dict[int, dict[int, float]] = {}  # B -> gamma -> seconds
         self.timings = 0
         self.timed_at: dict[tuple[int, int], int] = {}  # (B, gamma) -> the timing that last updated it
+        self.since_start: dict[tuple[int, int], int] = {}  # (B, gamma) -> its timings since it (re)started
+        self.replaced: dict[tuple[int, int], float] = {}  # (B, gamma) -> its estimate before it (re)started
         self.sums: dict[tuple[int, int], tuple[float, int]] = {}  # (B, gamma) -> the run's seconds summed, steps
 
     def add(self, rows: int, gamma: int, seconds: float) -> None:
-        cell = self.cells.setdefault(rows, {})
-        old = cell.get(gamma)
-        stale = self.timings - self.timed_at.get((rows, gamma), 0) > RETIME_GAP  # older than any re-timing's gap
-        cell[gamma] = seconds if old is None or stale else old + self.weight * (seconds - old)
+        old = self.cells.get(rows, {}).get(gamma)
+        if old is None or self.timings - self.timed_at[rows, gamma] > RETIME_GAP:  # older than any re-timing's gap
+            before = self.estimates(rows, gamma)  # [gamma+1], or None
+            if before is not None:
+                self.replaced[rows, gamma] = before[gamma]
+            self.cells.setdefault(rows, {})[gamma], self.since_start[rows, gamma] = seconds, 1
+        else:
+            confirms = gamma == 0 and self.since_start[rows, gamma] == 1
+            self.cells[rows][gamma] = min(old, seconds) if confirms else old + self.weight * (seconds - old)
+            self.since_start[rows, gamma] += 1
         self.timings += 1
         self.timed_at[rows, gamma] = self.timings
         total, steps = self.sums.get((rows, gamma), (0.0, 0))
         self.sums[rows, gamma] = (total + seconds, steps + 1)
+
+    def unconfirmed(self, rows: int, gamma: int, seconds: float) -> float:
+        """The estimate that the cell's one timing since it (re)started replaced, over `seconds`
+        (its estimate now); 1 once it was timed again."""
+        if self.since_start.get((rows, gamma)) != 1 or (rows, gamma) not in self.replaced:
+            return 1.0
+        return self.replaced[rows, gamma] / seconds
 
     def mean(self, rows: int, gamma: int) -> float | None:
         """The run's mean seconds of the steps timed at (rows, gamma); None before KEEP_EVIDENCE."""
@@ -183,7 +206,7 @@ class StepCosts:
             return None
         near = rows if rows in self.cells else min(self.cells, key=lambda b: (abs(math.log(b / rows)), b))
         timed = self.cells[near]
-        if len(timed) == gamma_max + 1:
+        if all(g in timed for g in range(gamma_max + 1)):
             return [timed[g] for g in range(gamma_max + 1)]
         slope = self.slope(near)
         return [timed[g] if g in timed else self.between(timed, g, slope) for g in range(gamma_max + 1)]
@@ -326,6 +349,9 @@ class GammaPolicy:
         if best.rate < (1 + MARGIN) * choices[0].rate:  # choices[0]: the plain step
             best = choices[0]
         self.tree = best.tree
+        if best.gamma and best.rate * self.costs.unconfirmed(rows, 0, costs[0]) < 1 + MARGIN:
+            self.tree = False  # one new timing of the plain step alone turned the choice: time it again
+            return 0
         if best.gamma:
             self.plain_steps, self.probe_gap = 0, PROBE_FIRST
             return self.retime(rows, best, choices) if behind <= 1 else best.gamma  # a catch-up times no cell
