@@ -225,7 +225,7 @@ def test_a_plain_cost_turned_by_one_slow_timing_is_timed_again(confirms, monkeyp
     rows read 57 ms there, 41-45 after). The plain cost at 8 rows, stale by then, starts again
     from that one timing and makes speculation look best; speculating, it would not be timed
     again in that batch. Timed once more first (the lesser of the two kept), plain steps stay:
-    0.98x the plain steps' time (the slow first steps included); without, 0.95-0.97x."""
+    0.98x the plain steps' time (the slow first steps included); without, 0.94-0.97x."""
     if not confirms:
         monkeypatch.setattr(StepCosts, "unconfirmed", lambda self, rows, gamma, seconds: 1.0)
     rng = random.Random(0)
