@@ -167,32 +167,35 @@ class StepCosts:
         self.cells: dict[int, dict[int, float]] = {}  # B -> gamma -> seconds
         self.timings = 0
         self.timed_at: dict[tuple[int, int], int] = {}  # (B, gamma) -> the timing that last updated it
-        self.since_start: dict[tuple[int, int], int] = {}  # (B, gamma) -> its timings since it (re)started
-        self.replaced: dict[tuple[int, int], float] = {}  # (B, gamma) -> its estimate before it (re)started
+        self.plain_timings: dict[int, int] = {}  # B -> plain steps timed since its plain cell (re)started
+        self.replaced: dict[int, float] = {}  # B -> the plain estimate that its last restart replaced
         self.sums: dict[tuple[int, int], tuple[float, int]] = {}  # (B, gamma) -> the run's seconds summed, steps
 
     def add(self, rows: int, gamma: int, seconds: float) -> None:
         old = self.cells.get(rows, {}).get(gamma)
-        if old is None or self.timings - self.timed_at[rows, gamma] > RETIME_GAP:  # older than any re-timing's gap
-            before = self.estimates(rows, gamma)  # [gamma+1], or None
-            if before is not None:
-                self.replaced[rows, gamma] = before[gamma]
-            self.cells.setdefault(rows, {})[gamma], self.since_start[rows, gamma] = seconds, 1
+        restarts = old is None or self.timings - self.timed_at[rows, gamma] > RETIME_GAP  # older than any re-timing's gap
+        if restarts:
+            if gamma == 0 and self.cells:
+                self.replaced[rows] = self.estimates(rows, 0)[0]
+            new = seconds
+        elif gamma == 0 and self.plain_timings[rows] == 1:
+            new = min(old, seconds)
         else:
-            confirms = gamma == 0 and self.since_start[rows, gamma] == 1
-            self.cells[rows][gamma] = min(old, seconds) if confirms else old + self.weight * (seconds - old)
-            self.since_start[rows, gamma] += 1
+            new = old + self.weight * (seconds - old)
+        self.cells.setdefault(rows, {})[gamma] = new
+        if gamma == 0:
+            self.plain_timings[rows] = 1 if restarts else self.plain_timings[rows] + 1
         self.timings += 1
         self.timed_at[rows, gamma] = self.timings
         total, steps = self.sums.get((rows, gamma), (0.0, 0))
         self.sums[rows, gamma] = (total + seconds, steps + 1)
 
-    def unconfirmed(self, rows: int, gamma: int, seconds: float) -> float:
-        """The estimate that the cell's one timing since it (re)started replaced, over `seconds`
-        (its estimate now); 1 once it was timed again."""
-        if self.since_start.get((rows, gamma)) != 1 or (rows, gamma) not in self.replaced:
+    def unconfirmed(self, rows: int, seconds: float) -> float:
+        """The plain estimate at `rows` that its one timing since its cell (re)started replaced,
+        over `seconds` (the estimate now); 1 once it was timed again, or with nothing replaced."""
+        if self.plain_timings.get(rows) != 1 or rows not in self.replaced:
             return 1.0
-        return self.replaced[rows, gamma] / seconds
+        return self.replaced[rows] / seconds
 
     def mean(self, rows: int, gamma: int) -> float | None:
         """The run's mean seconds of the steps timed at (rows, gamma); None before KEEP_EVIDENCE."""
@@ -349,7 +352,7 @@ class GammaPolicy:
         if best.rate < (1 + MARGIN) * choices[0].rate:  # choices[0]: the plain step
             best = choices[0]
         self.tree = best.tree
-        if best.gamma and best.rate * self.costs.unconfirmed(rows, 0, costs[0]) < 1 + MARGIN:
+        if best.gamma and best.rate * self.costs.unconfirmed(rows, costs[0]) < 1 + MARGIN:
             self.tree = False  # one new timing of the plain step alone turned the choice: time it again
             return 0
         if best.gamma:
