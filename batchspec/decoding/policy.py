@@ -22,18 +22,28 @@ per second; gamma 0 is a plain target step, the draft sits out.
   (PRIOR_WEIGHT proposals' worth: the slowest row's estimate prices the batch's length, and the
   least of B noisy estimates is biased low), so that rows that copy their prompt and rows that
   do not are told apart. Evidence fades with every step, plain ones included: a row's towards
-  the run's alpha, the run's (more slowly) towards PRIOR_ALPHA, which
-  keeps PRIOR_WEIGHT proposals' worth in it. alpha is only measured while
-  speculating, so speculation stops on a low estimate and, were the evidence kept, would stay
-  stopped on it: the last estimate before plain steps is the low tail of its noise, not the
-  pair's acceptance (simulated at batch 1 with an acceptance where gamma 1 gains 10 %: auto
-  stopped on estimates of 0.20-0.26 against the true 0.32 and forwent most of the gain). Fading,
-  the estimate drifts back over a break-even it fell under by chance and speculation is tried
-  again; a draft that is useless drifts back there only after hundreds of plain steps and falls
-  again at once, for under 1 % of the run's time (tests/test_policy.py).
+  the run's alpha, the run's (more slowly) towards the higher of PRIOR_ALPHA and the alpha of
+  all the run's proposals (none faded), which keeps PRIOR_WEIGHT proposals' worth in it. alpha
+  is only measured while speculating, so speculation stops on a low estimate and, were the
+  evidence kept, would stay stopped on it: the last estimate before plain steps is the low tail
+  of its noise, not the pair's acceptance (simulated at batch 1 with an acceptance where gamma 1
+  gains 10 %: auto stopped on estimates of 0.20-0.26 against the true 0.32 and forwent most of
+  the gain). Fading, the estimate drifts back over a break-even it fell under by chance and
+  speculation is tried again; a draft that is useless drifts back there only after hundreds of
+  plain steps and falls again at once, for under 1 % of the run's time (tests/test_policy.py).
+  Towards PRIOR_ALPHA alone, a pair whose break-even is over it (a paying pair at batch 1: 0.65)
+  drifted under it and stayed there, the probes' few proposals aside: the run's own alpha holds
+  it over.
+- A run checks TRIAL proposals before its alpha may stop speculation. The first steps are the
+  least known: gammas' first timings run new shapes (traced on a paying pair at batch 1: 1.3-1.6x
+  their later cost), and a handful of proposals weigh little against the prior's (4 of 5
+  accepted read 0.61): plain steps won there and held, the draft's catch-up pricing probes out
+  within each row, for the rest of the run. A useless draft costs TRIAL proposals' steps once
+  (a step at B rows checks B of them at least).
 - T: whole steps timed as the job runs, by the batch's rows and gamma (a host clock read after the
   step's one sync: no sync added, and on a GPU it holds the launches and the wait alike). A
-  gamma not timed yet at B is estimated from those that were (linear in gamma, or carried over
+  gamma not timed yet at B is estimated from those that were (linear in gamma, the plain step
+  left out where it lies under the line through the gammas > 0: StepCosts.fit; or carried over
   from the nearest B), tried when that estimate says it pays, and timed then.
 - Speculation is chosen only when it promises MARGIN more work per second than a plain step:
   the costs are noisy timings, and the best of noisy estimates is the one most likely
@@ -110,11 +120,11 @@ import math
 from typing import NamedTuple
 
 PRIOR_ALPHA = 0.5  # the run's alpha before any proposal was checked
-PRIOR_WEIGHT = 8.0  # proposals' worth of the run's alpha in each row's estimate, of PRIOR_ALPHA in the run's
+PRIOR_WEIGHT = 8.0  # proposals' worth of the run's alpha in each row's estimate, of PRIOR_ALPHA or all its proposals' in the run's
 ROW_DECAY = 0.95  # per step: acceptance changes along a completion
 RUN_DECAY = 0.98  # per speculative step
-PLAIN_DECAY = 0.995  # per plain step, towards PRIOR_ALPHA: see alpha above
-PRIOR_SLOPE = 0.1  # a proposal's cost relative to a plain step, before two gammas were timed
+PLAIN_DECAY = 0.995  # per plain step, towards PRIOR_ALPHA or the run's own: see alpha above
+PRIOR_SLOPE = 0.1  # a proposal's cost relative to a plain step, before a cost line was fitted
 PROBE_FIRST, PROBE_LAST = 16, 512  # plain steps before a probe of speculation (doubling)
 PROBE_BUDGET = 0.01  # the most of the time an expected-to-lose probe (or re-timing) may take
 RETIME_GAP = 16  # speculative steps at least between two re-timings of another gamma
@@ -123,6 +133,8 @@ TREE_LIFT = 1.25  # a tree's alpha over the chain's, before any tree was checked
 HOLD = 0.25  # a timing this much over its cell's estimate counts only once the cell's next timing confirms it
 KEEP_MARGIN = 0.1  # how much faster a bigger batch's steps must have been timed for rows that end to stay
 KEEP_EVIDENCE = 8  # steps timed at a batch size before its mean time counts for that
+OFF_LINE = 0.25  # how far under the line through the gammas > 0 a plain step's cost is off it (StepCosts.fit)
+TRIAL = 16  # proposals a run checks before its alpha may stop speculation (twice PRIOR_WEIGHT)
 MARGIN = 0.03  # the least gain in expected work per second over a plain step that speculation needs
 PRIOR_FIXED_SHARE = 0.5  # the share of a plain step that does not grow with its rows, before it was measured
 
@@ -257,18 +269,35 @@ class StepCosts:
         return c / (c + d * rows)
 
     def slope(self, rows: int) -> float:
-        """Seconds per extra proposal at `rows`: a least-squares line through its timed gammas;
-        with one timed gamma, the relative slope of the nearest batch size with two, else
-        PRIOR_SLOPE."""
-        if len(self.cells[rows]) >= 2:
-            return line(self.cells[rows])[1]
+        """Seconds per extra proposal at `rows`: its cost line's (StepCosts.fit); with one gamma
+        timed, the relative slope of the nearest batch size with a line, else PRIOR_SLOPE."""
+        fitted = self.fit(rows)
+        if fitted:
+            return fitted[1]
         (gamma, seconds), = self.cells[rows].items()
         relative = PRIOR_SLOPE
-        fitted = {b: line(timed) for b, timed in self.cells.items() if len(timed) >= 2}
-        if fitted:
-            intercept, slope = fitted[min(fitted, key=lambda b: abs(math.log(b / rows)))]
+        fits = {b: fitted for b in self.cells if (fitted := self.fit(b))}
+        if fits:
+            intercept, slope = fits[min(fits, key=lambda b: abs(math.log(b / rows)))]
             relative = slope / intercept
         return seconds * relative / (1 + relative * gamma)
+
+    def fit(self, rows: int) -> tuple[float, float] | None:
+        """(intercept, slope) of a least-squares line through the gammas > 0 timed at `rows`, and
+        through its plain step too unless that lies OFF_LINE under the line's intercept; None
+        with fewer than two points. A plain step runs no draft and verifies one token: where
+        the draft's own cost per step is large, the plain step is off the line, and a line
+        through it takes that cost for a cost per proposal (traced at batch 1 on a paying pair:
+        plain 24 ms, gamma 1, 2, 3, 5 at 46, 56, 53, 62 ms; the line through plain, 1 and 2
+        priced gamma 5 at 100 ms, and gamma 3 and up never ran). Where it lies on the line, it
+        is one more point, and the best timed."""
+        timed = self.cells[rows]
+        drafted = {g: seconds for g, seconds in timed.items() if g}
+        if len(drafted) >= 2:
+            intercept, slope = line(drafted)
+            if 0 not in timed or intercept > (1 + OFF_LINE) * timed[0]:
+                return intercept, slope
+        return line(timed) if len(timed) >= 2 else None
 
 
 def line(timed: dict[int, float]) -> tuple[float, float]:
@@ -310,6 +339,7 @@ class GammaPolicy:
         self.tree = trees  # the last choice is a tree
         self.costs, self.tree_costs = StepCosts(), StepCosts()  # chains' (and plain steps'), trees'
         self.accepted, self.checked = 0.0, 0.0  # decayed run totals
+        self.run_accepted, self.run_checked = 0, 0  # the run's chain proposals accepted and checked, none faded
         self.tree_accepted, self.tree_checked = 0.0, 0.0  # decayed totals of the trees' paths
         self.plain_steps, self.probe_gap = 0, PROBE_FIRST
         self.since_retime = 0  # speculative steps since another gamma than the best was re-timed
@@ -324,8 +354,10 @@ class GammaPolicy:
     @property
     def alpha(self) -> float:
         """The run's per-proposal acceptance, recent proposals weighing most, with PRIOR_WEIGHT
-        proposals' worth of PRIOR_ALPHA."""
-        return row_alpha(self.accepted, self.checked, PRIOR_ALPHA)
+        proposals' worth of the higher of PRIOR_ALPHA and all the run's proposals' alpha (itself
+        with PRIOR_WEIGHT of PRIOR_ALPHA): evidence fades towards it (see alpha above)."""
+        overall = row_alpha(self.run_accepted, self.run_checked, PRIOR_ALPHA)
+        return row_alpha(self.accepted, self.checked, max(PRIOR_ALPHA, overall))
 
     @property
     def tree_alpha(self) -> float:
@@ -381,6 +413,8 @@ class GammaPolicy:
         if best.gamma and best.rate * self.costs.unconfirmed(rows, costs[0]) < 1 + MARGIN:
             self.tree = False  # one new timing of the plain step alone turned the choice: time it again
             return 0
+        if not best.gamma and self.run_checked < TRIAL:  # too few proposals checked to judge the draft
+            best = max((c for c in choices if c.gamma and not c.tree), key=lambda c: c.rate)
         if best.gamma:
             self.plain_steps, self.probe_gap = 0, PROBE_FIRST
             return self.retime(rows, best, choices) if behind <= 1 else best.gamma  # a catch-up times no cell
@@ -445,7 +479,8 @@ class GammaPolicy:
         elif gamma:
             self.accepted = RUN_DECAY * self.accepted + accepted
             self.checked = RUN_DECAY * self.checked + checked
-        else:  # no new evidence: the old fades, and alpha towards the prior
+            self.run_accepted, self.run_checked = self.run_accepted + accepted, self.run_checked + checked
+        else:  # no new evidence: the old fades, and alpha towards all the run's proposals'
             self.accepted, self.checked = PLAIN_DECAY * self.accepted, PLAIN_DECAY * self.checked
         if seconds is None:
             return
