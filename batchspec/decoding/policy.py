@@ -276,9 +276,9 @@ class StepCosts:
             return fitted[1]
         (gamma, seconds), = self.cells[rows].items()
         relative = PRIOR_SLOPE
-        fits = {b: fitted for b in self.cells if (fitted := self.fit(b))}
-        if fits:
-            intercept, slope = fits[min(fits, key=lambda b: abs(math.log(b / rows)))]
+        lines = {b: cost_line for b in self.cells if (cost_line := self.fit(b))}
+        if lines:
+            intercept, slope = lines[min(lines, key=lambda b: abs(math.log(b / rows)))]
             relative = slope / intercept
         return seconds * relative / (1 + relative * gamma)
 
