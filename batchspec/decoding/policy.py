@@ -120,7 +120,7 @@ import math
 from typing import NamedTuple
 
 PRIOR_ALPHA = 0.5  # the run's alpha before any proposal was checked
-PRIOR_WEIGHT = 8.0  # proposals' worth of the run's alpha in each row's estimate, of PRIOR_ALPHA or all its proposals' in the run's
+PRIOR_WEIGHT = 8.0  # proposals' worth of the run's alpha in a row's estimate, of PRIOR_ALPHA or its own in the run's
 ROW_DECAY = 0.95  # per step: acceptance changes along a completion
 RUN_DECAY = 0.98  # per speculative step
 PLAIN_DECAY = 0.995  # per plain step, towards PRIOR_ALPHA or the run's own: see alpha above
@@ -133,7 +133,7 @@ TREE_LIFT = 1.25  # a tree's alpha over the chain's, before any tree was checked
 HOLD = 0.25  # a timing this much over its cell's estimate counts only once the cell's next timing confirms it
 KEEP_MARGIN = 0.1  # how much faster a bigger batch's steps must have been timed for rows that end to stay
 KEEP_EVIDENCE = 8  # steps timed at a batch size before its mean time counts for that
-OFF_LINE = 0.25  # how far under the line through the gammas > 0 a plain step's cost is off it (StepCosts.fit)
+OFF_LINE = 0.25  # how far over a plain step's cost the gammas' line may start, the plain step on it (StepCosts.fit)
 TRIAL = 16  # proposals a run checks before its alpha may stop speculation (twice PRIOR_WEIGHT)
 MARGIN = 0.03  # the least gain in expected work per second over a plain step that speculation needs
 PRIOR_FIXED_SHARE = 0.5  # the share of a plain step that does not grow with its rows, before it was measured
@@ -284,7 +284,7 @@ class StepCosts:
 
     def fit(self, rows: int) -> tuple[float, float] | None:
         """(intercept, slope) of a least-squares line through the gammas > 0 timed at `rows`, and
-        through its plain step too unless that lies OFF_LINE under the line's intercept; None
+        through its plain step too unless the line's intercept is over (1 + OFF_LINE) times it; None
         with fewer than two points. A plain step runs no draft and verifies one token: where
         the draft's own cost per step is large, the plain step is off the line, and a line
         through it takes that cost for a cost per proposal (traced at batch 1 on a paying pair:
