@@ -511,6 +511,20 @@ def test_gammas_above_those_timed_are_priced_along_the_gammas_over_0():
     assert policy.choose(ROWS, None) == 3
 
 
+def test_gammas_timed_without_a_rise_leave_the_plain_step_on_the_line():
+    """The embedded pair at 16 rows in float32: plain 115 ms, gamma 1 and 2 timed at 188 and
+    180 ms (noise), acceptance 0.42. Their line has no slope: every gamma above looked as cheap,
+    gamma 8 promised 1.1x plain steps and ran at 507 ms, 4.4 plain steps. Each proposal adds a
+    draft forward at least, so the plain step joins such a line: 32 ms a proposal, gamma 8 at
+    375 ms, and plain steps win (gamma 2 promises 1.02x)."""
+    policy = GammaPolicy(gamma_max=8)
+    timed(policy, lambda g: [0.115, 0.188, 0.180][g], gammas=[0, 1, 2])
+    measured(policy, 0.42)
+    costs = policy.costs.estimates(ROWS, 8)
+    assert costs[8] == pytest.approx(0.375, abs=0.001) and costs[3] > costs[2]
+    assert policy.choose(ROWS, None) == 0
+
+
 def test_a_timing_far_over_its_estimate_counts_only_if_the_next_one_is_too():
     """A timing over HOLD above its cell's estimate (an outlier: the machine busy for a moment)
     is held; the cell's next timing drops it (under HOLD over) or confirms it (over too: the

@@ -43,8 +43,8 @@ per second; gamma 0 is a plain target step, the draft sits out.
 - T: whole steps timed as the job runs, by the batch's rows and gamma (a host clock read after the
   step's one sync: no sync added, and on a GPU it holds the launches and the wait alike). A
   gamma not timed yet at B is estimated from those that were (linear in gamma, the plain step
-  left out where it lies under the line through the gammas > 0: StepCosts.fit; or carried over
-  from the nearest B), tried when that estimate says it pays, and timed then.
+  left out where it lies under a rising line through the gammas > 0: StepCosts.fit; or carried
+  over from the nearest B), tried when that estimate says it pays, and timed then.
 - Speculation is chosen only when it promises MARGIN more work per second than a plain step:
   the costs are noisy timings, and the best of noisy estimates is the one most likely
   underestimated (the optimizer's curse), so a gain promised within the noise is more often a
@@ -290,12 +290,17 @@ class StepCosts:
         through it takes that cost for a cost per proposal (traced at batch 1 on a paying pair:
         plain 24 ms, gamma 1, 2, 3, 5 at 46, 56, 53, 62 ms; the line through plain, 1 and 2
         priced gamma 5 at 100 ms, and gamma 3 and up never ran). Where it lies on the line, it
-        is one more point, and the best timed."""
+        is one more point, and the best timed. A line through the gammas > 0 that does not rise
+        would price every gamma above at the cost of those timed, where each proposal adds a
+        draft forward at least (two neighbours may read the other way: timing noise, or a CPU
+        kernel's tiles); the plain step joins it then (traced at 16 rows on the embedded pair in
+        float32: gamma 1 and 2 at 188 and 180 ms priced every gamma above at 180 ms, and gamma 8
+        ran at 507, 4.4 plain steps)."""
         timed = self.cells[rows]
         drafted = {g: seconds for g, seconds in timed.items() if g}
         if len(drafted) >= 2:
             intercept, slope = line(drafted)
-            if 0 not in timed or intercept > (1 + OFF_LINE) * timed[0]:
+            if slope > 0 and (0 not in timed or intercept > (1 + OFF_LINE) * timed[0]):
                 return intercept, slope
         return line(timed) if len(timed) >= 2 else None
 
