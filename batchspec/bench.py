@@ -6,7 +6,8 @@ Every method decodes the same prompts, greedy, in batches of each batch size, in
 a warm-up batch first (not timed), then `repeats` passes over the batches, interleaved batch by
 batch (every method decodes a batch before any decodes the next, every other time in reverse
 order), so that a machine whose speed drifts over minutes slows all methods alike; a pass's time
-is its batches' times, the best pass counting. Each speculative method keeps one gamma policy
+is its batches' times, the best pass counting. Bare forwards, which price the ideal, take a turn
+on each batch too. Each speculative method keeps one gamma policy
 for the whole cell, as a job keeps one for its run, so auto is timed as it runs once it has
 measured its step costs. Tokens/s counts each row's own completion tokens.
 """
@@ -159,6 +160,14 @@ class ForwardCosts:
     target: list[float]
     step: list[float]
     prefill: tuple[float, float]
+
+    @classmethod
+    def median(cls, samples: list["ForwardCosts"]) -> "ForwardCosts":
+        """Each cost's median over samples timed at different moments of the passes."""
+        def medians(columns):
+            return [statistics.median(column) for column in zip(*columns)]
+        return cls(medians(s.target for s in samples), medians(s.step for s in samples),
+                   tuple(medians(s.prefill for s in samples)))
 
     def ideal(self, alpha: float, gamma: int, tokens: float, drafts: bool = True) -> float:
         """Speed-up over ar of a batch whose rows generate `tokens` each, if every step cost its
@@ -338,13 +347,15 @@ def bench_size(pair, prompts, batch_size: int, drafters: list[str], gammas: list
                ngram: tuple[int, int], repeats: int, with_options: bool, samples: int,
                schema: RowOptions | None = None, tree_widths: tuple[int, ...] = ()) -> list[Cell]:
     """Every method at one batch size: a warm-up batch each, then timed passes interleaved batch
-    by batch (counting target forwards and the memory each run held)."""
+    by batch (counting target forwards and the memory each run held). Bare forwards are timed
+    among them, once a pass on each batch as wide as the first: the ideal takes each cost's
+    median, so that neither the VM's drift over a pass nor a stall while they ran moves it."""
     cells = methods(pair, batch_size, drafters, gammas, base, ngram, with_options, samples, schema, tree_widths)
     for cell in cells:
         decode(pair, cell, cell.prompts(prompts)[:batch_size])  # warm-up; auto measures its costs
-    costs = forward_costs(pair, prompts[:batch_size], max(gammas + [base.gamma_max]))  # warm, as the passes run
     starts = range(0, len(prompts), batch_size)
     runs = {id(cell): [[] for _ in starts] for cell in cells}  # per cell, per batch: its timed Runs
+    timings, width = [], min(batch_size, len(prompts))  # ForwardCosts timed on the batches as wide as the first
     forwards = 0
 
     def count(*_):
@@ -353,7 +364,12 @@ def bench_size(pair, prompts, batch_size: int, drafters: list[str], gammas: list
 
     hook = pair.target.register_forward_pre_hook(count)
     try:
-        for cell, b in interleaved(cells, len(starts), repeats):
+        for cell, b in interleaved(cells + [None], len(starts), repeats):  # None: time bare forwards
+            if cell is None:
+                batch = prompts[starts[b] : starts[b] + batch_size]
+                if len(batch) == width:
+                    timings.append(forward_costs(pair, batch, max(gammas + [base.gamma_max]), repeats=1))
+                continue
             forwards, batch = 0, cell.prompts(prompts)[starts[b] : starts[b] + batch_size]
             with PeakMemory(pair.target.device) as memory:
                 seconds, run = timed(lambda c=cell: decode(pair, c, batch))
@@ -361,6 +377,7 @@ def bench_size(pair, prompts, batch_size: int, drafters: list[str], gammas: list
             runs[id(cell)][b].append(run)
     finally:
         hook.remove()
+    costs = ForwardCosts.median(timings)
     for cell in cells:
         settle(cell, runs[id(cell)])
         cell.ideal = ideal_speedup(cell, cells, costs)

@@ -13,6 +13,7 @@ import torch
 from click.testing import CliRunner
 from PIL import Image
 
+from batchspec import bench as bench_module
 from batchspec.bench import AUTO, Cell, ForwardCosts, PeakMemory, bench, geometric_alpha, ideal_speedup, interleaved, settle, Run
 from batchspec.decoding import DecodeConfig
 from batchspec.bench_files import COLUMNS
@@ -185,6 +186,46 @@ def test_autos_ideal_takes_the_alpha_most_proposals_measured():
     assert auto.alpha == pytest.approx(0, abs=1e-6) and fixed.alpha == pytest.approx(0.4)
     assert ideal_speedup(auto, [auto, fixed, *others], costs) == pytest.approx(1.4 / 1.2)
     assert ideal_speedup(auto, [auto, *others], costs) == 1.0
+
+
+def test_bare_forwards_are_timed_among_the_passes_and_their_medians_priced(tiny_pair, monkeypatch):
+    """Bare forwards are timed once a pass on each batch as wide as the first, between the
+    methods' runs of it (5 prompts at batch 2: the batches of 2, not the last of 1), and the
+    ideal prices each cost's median: a sample timed in a stall (the third) moves nothing."""
+    target, draft = tiny_pair("llama")
+    pair = load_pair(str(target), str(draft), dtype="float32", device="cpu")
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13], [14, 15, 16], [17, 18]]
+    stalled = ForwardCosts([30.0, 40.0], [90.0], (70.0, 50.0))
+    first, second, last = (ForwardCosts([1.0, 2.0], [3.0], (4.0, 1.0)), ForwardCosts([1.2, 1.8], [2.8], (3.0, 2.0)),
+                           ForwardCosts([0.8, 2.2], [3.4], (5.0, 1.5)))
+    fakes = iter([first, second, stalled, last])
+    timed_on, order = [], []
+
+    def fake_costs(pair, batch, gamma_max, repeats=5):
+        timed_on.append(batch)
+        order.append("costs")
+        return next(fakes)
+
+    decode = bench_module.decode
+
+    def logged(pair, cell, batch):
+        order.append(cell.method)
+        return decode(pair, cell, batch)
+
+    monkeypatch.setattr(bench_module, "forward_costs", fake_costs)
+    monkeypatch.setattr(bench_module, "decode", logged)
+    base = DecodeConfig(max_new_tokens=4, eos_token_ids=pair.eos_token_ids, gamma_max=1)
+    cells = bench_module.bench_size(pair, prompts, 2, ["model"], [1], base, (1, 3), repeats=2, with_options=False,
+                                    samples=1)
+    assert timed_on == [prompts[0:2], prompts[2:4]] * 2
+    timed = order[len(cells):]  # after the warm-ups: 3 batches a pass, each every method's and the costs' turn
+    assert len(timed) == 2 * 3 * len(cells) + 4 and timed.count("costs") == 4
+    assert timed[: len(cells) + 1].count("costs") == 1  # the first batch's turn
+    assert ForwardCosts.median([first, second, stalled]) == ForwardCosts([1.2, 2.0], [3.0], (4.0, 2.0))
+    median = ForwardCosts([1.1, 2.1], [3.2], (4.5, 1.75))  # of the four: each the mean of its middle two
+    for cell in cells:
+        if cell.policy is not None:
+            assert cell.ideal == pytest.approx(ideal_speedup(cell, cells, median))
 
 
 def test_jensen_shannon_bounds():

@@ -1,5 +1,5 @@
-"""More architectures: greedy spec (chains and trees) and ar equal the target alone on tiny
-random models.
+"""More architectures: greedy spec (chains and trees, a fixed gamma and steps that switch between
+plain and speculative ones) and ar equal the target alone on tiny random models.
 
 Where an architecture has sliding-window layers, the window (12) is far shorter than the rows.
 """
@@ -12,7 +12,8 @@ from batchspec.decoding import DecodeConfig, decode_batch
 from batchspec.decoding.kv_cache import uses_alibi
 from batchspec.models import load_pair
 
-from test_greedy import LENGTHS, random_prompts, reference
+from policies import Scripted
+from test_greedy import LENGTHS, SWITCHING, random_prompts, reference
 
 FAMILIES = [  # sliding windows: mixtral, gemma3_text, phi3, cohere2, starcoder2, gpt_oss, ministral, olmo3, exaone4
     "mixtral", "gemma", "gemma3_text", "phi", "phi3", "qwen2_moe", "qwen3", "qwen3_moe", "cohere", "cohere2",
@@ -38,6 +39,11 @@ def test_spec_and_ar_equal_target_alone(family, tiny_pair):
             continue
         out = decode_batch(pair.target, draft, prompts, list(range(len(prompts))), tree)
         assert [r.token_ids for r in out.rows] == expected
+    switching = Scripted(SWITCHING, gamma_max=8)  # the draft sits out plain steps, then reads them with holes
+    out = decode_batch(pair.target, pair.draft, prompts, list(range(len(prompts))), config, policy=switching)
+    assert [r.token_ids for r in out.rows] == expected
+    histograms = [r.stats["gamma_histogram"] for r in out.rows]
+    assert all(h[0] and sum(h[1:]) for h in histograms if sum(h) > 2)  # plain and speculative steps in a row
     even = random_prompts(len(pair.tokenizer), [30, 30], seed=1)  # no pad: the cache starts dense
     for rows, wanted in ((prompts[1:2], expected[1:2]),  # one row: no hole either, the model's own mask
                          (even, [reference(pair.target, p, pair.eos_token_ids, MAX_NEW) for p in even])):
