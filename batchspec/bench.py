@@ -7,7 +7,7 @@ a warm-up batch first (not timed), then `repeats` passes over the batches, inter
 batch (every method decodes a batch before any decodes the next, every other time in reverse
 order), so that a machine whose speed drifts over minutes slows all methods alike; a pass's time
 is its batches' times, the best pass counting. Bare forwards, which price the ideal, take a turn
-on each batch too. Each speculative method keeps one gamma policy
+on a few batches of each pass too. Each speculative method keeps one gamma policy
 for the whole cell, as a job keeps one for its run, so auto is timed as it runs once it has
 measured its step costs. Tokens/s counts each row's own completion tokens.
 """
@@ -33,6 +33,7 @@ from batchspec.models import load_pair
 from batchspec.sources import Row, RowError, read_jsonl
 
 HF, ASSISTED, LOOKUP, AR, AUTO = "hf generate", "hf assisted", "hf prompt lookup", "ar", "spec auto"
+COST_BATCHES = 4  # batches a pass whose turn also times bare forwards (at batch 1 on the paying pair: 3 s each)
 NGRAM, HYBRID = "ngram auto", "hybrid auto"
 DRAFTERS = {"model": AUTO, "ngram": NGRAM, "hybrid": HYBRID}  # --drafters -> the auto method of each
 WITH_OPTIONS = " + options"  # --with-options: ar and spec auto again, every row with OPTIONS
@@ -348,14 +349,16 @@ def bench_size(pair, prompts, batch_size: int, drafters: list[str], gammas: list
                schema: RowOptions | None = None, tree_widths: tuple[int, ...] = ()) -> list[Cell]:
     """Every method at one batch size: a warm-up batch each, then timed passes interleaved batch
     by batch (counting target forwards and the memory each run held). Bare forwards are timed
-    among them, once a pass on each batch as wide as the first: the ideal takes each cost's
-    median, so that neither the VM's drift over a pass nor a stall while they ran moves it."""
+    among them, in the turn of COST_BATCHES batches a pass spread over it (of those as wide as
+    the first): the ideal takes each cost's median, so that neither the VM's drift over a pass
+    nor a stall while they ran moves it."""
     cells = methods(pair, batch_size, drafters, gammas, base, ngram, with_options, samples, schema, tree_widths)
     for cell in cells:
         decode(pair, cell, cell.prompts(prompts)[:batch_size])  # warm-up; auto measures its costs
     starts = range(0, len(prompts), batch_size)
     runs = {id(cell): [[] for _ in starts] for cell in cells}  # per cell, per batch: its timed Runs
-    timings, width = [], min(batch_size, len(prompts))  # ForwardCosts timed on the batches as wide as the first
+    timings, width = [], min(batch_size, len(prompts))  # ForwardCosts timed on batches as wide as the first
+    every = -(-len(starts) // COST_BATCHES)  # the batches apart they are timed on
     forwards = 0
 
     def count(*_):
@@ -367,7 +370,7 @@ def bench_size(pair, prompts, batch_size: int, drafters: list[str], gammas: list
         for cell, b in interleaved(cells + [None], len(starts), repeats):  # None: time bare forwards
             if cell is None:
                 batch = prompts[starts[b] : starts[b] + batch_size]
-                if len(batch) == width:
+                if b % every == 0 and len(batch) == width:
                     timings.append(forward_costs(pair, batch, max(gammas + [base.gamma_max]), repeats=1))
                 continue
             forwards, batch = 0, cell.prompts(prompts)[starts[b] : starts[b] + batch_size]

@@ -189,9 +189,10 @@ def test_autos_ideal_takes_the_alpha_most_proposals_measured():
 
 
 def test_bare_forwards_are_timed_among_the_passes_and_their_medians_priced(tiny_pair, monkeypatch):
-    """Bare forwards are timed once a pass on each batch as wide as the first, between the
-    methods' runs of it (5 prompts at batch 2: the batches of 2, not the last of 1), and the
-    ideal prices each cost's median: a sample timed in a stall (the third) moves nothing."""
+    """Bare forwards are timed once a pass on the batches as wide as the first, between the
+    methods' runs of them (5 prompts at batch 2: the batches of 2, not the last of 1), on
+    COST_BATCHES of them a pass at most, and the ideal prices each cost's median: a sample timed
+    in a stall (the third) moves nothing."""
     target, draft = tiny_pair("llama")
     pair = load_pair(str(target), str(draft), dtype="float32", device="cpu")
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13], [14, 15, 16], [17, 18]]
@@ -226,6 +227,11 @@ def test_bare_forwards_are_timed_among_the_passes_and_their_medians_priced(tiny_
     for cell in cells:
         if cell.policy is not None:
             assert cell.ideal == pytest.approx(ideal_speedup(cell, cells, median))
+    timed_on.clear()
+    fakes = iter([first, second])
+    monkeypatch.setattr(bench_module, "COST_BATCHES", 2)  # 3 batches a pass: the first's turn and the third's
+    bench_module.bench_size(pair, prompts, 2, ["model"], [1], base, (1, 3), repeats=1, with_options=False, samples=1)
+    assert timed_on == [prompts[0:2]]  # the third batch holds one prompt
 
 
 def test_jensen_shannon_bounds():
