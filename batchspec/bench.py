@@ -33,7 +33,6 @@ from batchspec.models import load_pair
 from batchspec.sources import Row, RowError, read_jsonl
 
 HF, ASSISTED, LOOKUP, AR, AUTO = "hf generate", "hf assisted", "hf prompt lookup", "ar", "spec auto"
-COST_BATCHES = 4  # batches a pass whose turn also times bare forwards (at batch 1 on the paying pair: 3 s each)
 NGRAM, HYBRID = "ngram auto", "hybrid auto"
 DRAFTERS = {"model": AUTO, "ngram": NGRAM, "hybrid": HYBRID}  # --drafters -> the auto method of each
 WITH_OPTIONS = " + options"  # --with-options: ar and spec auto again, every row with OPTIONS
@@ -41,6 +40,8 @@ SCHEMA, NO_JUMP = " + schema", " + schema, no jump"  # --json-schema: ar and spe
 # every processor and 5 logprobs, at strengths too small to change a token: the same work on the same outputs
 OPTIONS = RowOptions(repetition_penalty=1 + 1e-6, frequency_penalty=1e-6, presence_penalty=1e-6, min_tokens=1,
                      logit_bias={0: 1e-6}, logprobs=5)
+
+COST_BATCHES = 4  # batches a pass whose turn also times bare forwards (at batch 1 on the paying pair: 3 s each)
 
 
 @dataclass
