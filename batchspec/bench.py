@@ -360,6 +360,7 @@ def bench_size(pair, prompts, batch_size: int, drafters: list[str], gammas: list
     runs = {id(cell): [[] for _ in starts] for cell in cells}  # per cell, per batch: its timed Runs
     timings, width = [], min(batch_size, len(prompts))  # ForwardCosts timed on batches as wide as the first
     every = -(-len(starts) // COST_BATCHES)  # the batches apart they are timed on
+    widest = max(gammas + [base.gamma_max])  # the most proposals any cell's steps make
     forwards = 0
 
     def count(*_):
@@ -372,7 +373,7 @@ def bench_size(pair, prompts, batch_size: int, drafters: list[str], gammas: list
             if cell is None:
                 batch = prompts[starts[b] : starts[b] + batch_size]
                 if b % every == 0 and len(batch) == width:
-                    timings.append(forward_costs(pair, batch, max(gammas + [base.gamma_max]), repeats=1))
+                    timings.append(forward_costs(pair, batch, widest, repeats=1))
                 continue
             forwards, batch = 0, cell.prompts(prompts)[starts[b] : starts[b] + batch_size]
             with PeakMemory(pair.target.device) as memory:
