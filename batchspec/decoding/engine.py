@@ -531,7 +531,7 @@ class BatchDecoder:
         if not self.done and target_kv.length - longest_host >= max(1, self.config.compact_at * target_kv.length):
             target_kv.compact(int(longest_host))
             if drafter:
-                drafter.compact()
+                drafter.compact(int(longest_host))
             self.totals["compactions"] += 1
 
     def process_draft(self, logits: torch.Tensor, proposals: torch.Tensor) -> torch.Tensor:

@@ -193,10 +193,10 @@ class BatchKV:
             self.cache.batch_select_indices(rows)
         self.mask = self.mask[rows]
 
-    def compact(self, new_length: int | None = None) -> None:
-        """Drop pads and holes: move each row's valid slots, in order, to the right end.
-        new_length: the longest row's valid slots, when the caller has it on the host (else read
-        here: a sync).
+    def compact(self, new_length: int) -> None:
+        """Drop pads and holes: move each row's valid slots, in order, to the right end, and keep
+        the last new_length slots (host: at least the longest row's valid slots, at most the
+        cache's length; the caller has it from the step's one sync).
 
         Keys already carry their rotary positions and positions come from the mask, so moving
         slots changes no logits; attention then runs over fewer columns.
@@ -204,7 +204,6 @@ class BatchKV:
         if not self.length:  # nothing cached yet (a draft that has not run)
             return
         valid = self.mask.bool()  # [B, L]
-        new_length = int(valid.sum(-1).max()) if new_length is None else new_length
         order = torch.sort(valid.int(), dim=-1, stable=True).indices[:, self.length - new_length :]  # [B, L']
         self.mask = self.mask.gather(1, order)
         for layer in self.layers:

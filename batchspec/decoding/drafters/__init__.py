@@ -11,7 +11,9 @@ batch's rows:
       n[b] of its proposals, max_n = n.max() (host), and appended[b] (host) are the tokens the
       row gained: its accepted proposals and the correction or bonus token.
   select(keep [B'], kept)  finished rows leave; kept: the same indices on the host.
-  compact()           the target's cache was compacted; compact any cache of its own.
+  compact(longest)    the target's cache was compacted to `longest` slots, which no row's valid
+                      slots exceed (nor a draft's: it holds a prefix of its row); compact any cache
+                      of its own.
   behind              tokens the drafter has not seen yet (host int): a step after which it
                       catches up is not a typical step to time.
   idle_rows           (optional, default False) rows that ended may stay in the batch, inert

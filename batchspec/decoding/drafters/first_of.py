@@ -21,5 +21,5 @@ class FirstOf:
         for drafter in self.drafters:
             drafter.select(keep, kept)
 
-    def compact(self) -> None:
+    def compact(self, longest: int) -> None:
         """No cache to compact."""

@@ -55,5 +55,5 @@ class HybridDrafter:
         self.model.select(keep, kept)
         self.inert = [self.inert[b] for b in kept]
 
-    def compact(self) -> None:
-        self.model.compact()
+    def compact(self, longest: int) -> None:
+        self.model.compact(longest)

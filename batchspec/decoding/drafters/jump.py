@@ -26,5 +26,5 @@ class JumpDrafter:
     def select(self, keep, kept: list[int]) -> None:
         """The engine selects the grammar's rows."""
 
-    def compact(self) -> None:
+    def compact(self, longest: int) -> None:
         """No cache to compact."""

@@ -125,5 +125,6 @@ class ModelDrafter:
         self.owed, self.owed_mask = self.owed[keep], self.owed_mask[keep]
         self.newest, self.pending = [self.newest[b] for b in kept], [self.pending[b] for b in kept]
 
-    def compact(self) -> None:
-        self.kv.compact()
+    def compact(self, longest: int) -> None:
+        """Each row's cache holds a prefix of what the target's holds: `longest` bounds it too."""
+        self.kv.compact(min(longest, self.kv.length))

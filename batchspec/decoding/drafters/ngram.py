@@ -68,5 +68,5 @@ class NgramDrafter:
         self.index = [self.index[b] for b in kept]
         self.inert = [self.inert[b] for b in kept]
 
-    def compact(self) -> None:
+    def compact(self, longest: int) -> None:
         """No cache to compact."""

@@ -70,6 +70,6 @@ class SeveralDrafters:
         for drafter in self.drafters:
             drafter.select(keep, kept)
 
-    def compact(self) -> None:
+    def compact(self, longest: int) -> None:
         for drafter in self.drafters:
-            drafter.compact()
+            drafter.compact(longest)
