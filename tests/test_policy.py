@@ -299,6 +299,31 @@ def test_a_plain_cost_turned_by_one_slow_timing_is_timed_again(confirms, monkeyp
     assert (plain / sum(auto) > 0.975) == confirms
 
 
+@pytest.mark.parametrize("expires", [True, False])
+def test_a_gamma_timed_on_a_slower_machine_is_timed_again(expires, monkeypatch):
+    """The start of a batch of 8 rows traced on an H100: plain steps at 58 ms (a slow phase of the
+    machine), gamma 2 timed once at 185 ms; then the machine ran plain steps in 13 ms, where
+    fixed gamma 3 gained 1.37x. gamma 2's cost, kept, priced gamma 2 and the line through it out,
+    and the probes that would time them again: the first came after 515 plain steps, and gamma 1
+    held after it. Timed while a plain step cost over 1.25x what it costs now, it is priced at no
+    more than the other costs say: speculation from the third step on, gamma 3 on 86 % of the
+    steps."""
+    if not expires:
+        monkeypatch.setattr(StepCosts, "current", lambda self, rows: self.cells[rows])
+    policy, rows = GammaPolicy(gamma_max=8), 8
+    for seconds in (0.058, 0.06, 0.057):
+        policy.choose(rows, None)
+        policy.observe(rows, 0, 0, 0, seconds)
+    policy.observe(rows, 2, 11, 14, 0.16)  # TRIAL proposals checked: 21 of 29 accepted
+    policy.observe(rows, 2, 10, 15, 0.185)
+    assert policy.choose(rows, None) == 0  # gamma 2 at 3.2 plain steps in the slow phase
+    chosen = []
+    for _ in range(1000):
+        chosen.append(policy.choose(rows, None))
+        policy.observe(rows, chosen[-1], 6, 8, 0.013 * (1.15 + 0.235 * chosen[-1]) if chosen[-1] else 0.013)
+    assert (any(chosen[:20]) and sum(map(bool, chosen)) > 900) == expires
+
+
 def test_a_pair_that_starts_badly_switches_speculation_on_later():
     """Acceptance 0 for 1500 steps (plain steps win), then 0.9: a probe must find out."""
     switch = 1500
@@ -345,14 +370,15 @@ def test_a_run_speculates_until_it_has_checked_enough_proposals(trial, monkeypat
 @pytest.mark.parametrize("trial, fades_up", [(True, True), (False, True), (True, False)])
 def test_a_paying_draft_is_judged_on_more_than_a_handful_of_proposals(trial, fades_up, monkeypatch):
     """Batch 1, 64 tokens after each 47-token prompt, acceptance 0.85: gamma 4 at 2.45 plain
-    steps runs 1.42x plain steps. Each gamma's first step is 1.6x slower (new shapes), and after
+    steps runs 1.42x plain steps. Each gamma's first step is 1.6x slower (new shapes; the plain
+    step's is not: its cost falling after gammas were timed is StepCosts.current's case), and after
     plain steps the draft first reads the tokens it skipped (0.04 plain steps each), which
     prices probes within a row out. Traced on a paying pair at batch 1: 4 of 5 proposals
     accepted read 0.61 against the prior's 8 at 0.5, gammas' first costs 1.3-1.6x high, plain
     steps won, and alpha faded towards 0.5, under the break-even, for the rest of the run.
     Checking TRIAL proposals first, and fading towards the run's alpha where that is over 0.5,
-    32 runs of 16 rows (after one not counted) average 1.33x plain steps, none under 1.15x;
-    without the first, one is at 1.09x; without the second, they average 1.28x."""
+    32 runs of 16 rows (after one not counted) average 1.29x plain steps, none under 1.04x;
+    without the first, 1.16x, one at 0.99x; without the second, 1.19x, one at 0.99x."""
     if not trial:
         monkeypatch.setattr(policy_module, "TRIAL", 0)
     if not fades_up:
@@ -362,13 +388,13 @@ def test_a_paying_draft_is_judged_on_more_than_a_handful_of_proposals(trial, fad
         timed_once = set()
 
         def seconds(batch: int, rows: int, gamma: int) -> float:
-            first = 1.6 if gamma not in timed_once else 1.0
+            first = 1.6 if gamma and gamma not in timed_once else 1.0
             timed_once.add(gamma)
             return first * (1.45 + 0.25 * gamma if gamma else 1.0)
 
         spent = decode_batches(GammaPolicy(gamma_max=8), 0.85, seconds, [[64]] * 17, seed, catch_up=0.04, prompt=47)
         speed_ups.append(16 * 64 / sum(spent[1:]))
-    assert (sum(speed_ups) / len(speed_ups) > 1.3 and min(speed_ups) > 1.15) == (trial and fades_up)
+    assert (sum(speed_ups) / len(speed_ups) > 1.25 and min(speed_ups) > 1.0) == (trial and fades_up)
 
 
 def test_a_rows_evidence_fades_on_plain_steps_too():

@@ -44,7 +44,10 @@ per second; gamma 0 is a plain target step, the draft sits out.
   step's one sync: no sync added, and on a GPU it holds the launches and the wait alike). A
   gamma not timed yet at B is estimated from those that were (linear in gamma, the plain step
   left out where it lies under a rising line through the gammas > 0: StepCosts.fit; or carried
-  over from the nearest B), tried when that estimate says it pays, and timed then.
+  over from the nearest B), tried when that estimate says it pays, and timed then. A gamma timed
+  while the plain step cost over (1 + HOLD) times what it costs now is priced at no more than
+  that estimate, until timed again (StepCosts.current): timed on a slower machine, its cost would
+  keep it out for good, where plain steps win and no probe can afford it.
 - Speculation is chosen only when it promises MARGIN more work per second than a plain step:
   the costs are noisy timings, and the best of noisy estimates is the one most likely
   underestimated (the optimizer's curse), so a gain promised within the noise is more often a
@@ -198,6 +201,7 @@ class StepCosts:
         self.replaced: dict[int, float] = {}  # B -> the plain estimate that its last restart replaced
         self.sums: dict[tuple[int, int], tuple[float, int]] = {}  # (B, gamma) -> the run's seconds summed, steps
         self.held: dict[tuple[int, int], float] = {}  # (B, gamma) -> its last timing, held: HOLD over the estimate
+        self.plain_then: dict[tuple[int, int], float] = {}  # (B, gamma > 0) -> the plain estimate when it was timed
 
     def add(self, rows: int, gamma: int, seconds: float) -> None:
         old = self.cells.get(rows, {}).get(gamma)
@@ -217,6 +221,8 @@ class StepCosts:
         else:
             new = old + self.weight * (seconds - old)
         self.cells.setdefault(rows, {})[gamma] = new
+        if gamma and 0 in self.cells[rows]:
+            self.plain_then[rows, gamma] = self.cells[rows][0]
         if gamma == 0:
             self.plain_timings[rows] = 1 if restarts else self.plain_timings[rows] + 1
         self.timings += 1
@@ -242,11 +248,27 @@ class StepCosts:
         if not self.cells:
             return None
         near = rows if rows in self.cells else min(self.cells, key=lambda b: (abs(math.log(b / rows)), b))
-        timed = self.cells[near]
+        timed, everything = self.current(near), self.cells[near]
         if all(g in timed for g in range(gamma_max + 1)):
             return [timed[g] for g in range(gamma_max + 1)]
         slope = self.slope(near)
-        return [timed[g] if g in timed else self.between(timed, g, slope) for g in range(gamma_max + 1)]
+        return [timed[g] if g in timed else min(self.between(timed, g, slope), everything.get(g, math.inf))
+                for g in range(gamma_max + 1)]
+
+    def current(self, rows: int) -> dict[int, float]:
+        """The cells timed at `rows` (gamma -> seconds) less those of gammas > 0 timed while a plain
+        step cost over (1 + HOLD) times what it costs now. Timed on a slower machine (a phase of
+        it, a batch size's first shapes), such a cost is priced at no more than the others say
+        until it is timed again; kept, it would keep its gamma out, as plain steps win and the
+        probes it prices never come (traced on an H100 at 8 rows: gamma 2 timed once at 185 ms
+        while plain steps took 58 ms; plain steps then took 13 ms, and the first probe came 515
+        of them later, where fixed gamma 3 ran 1.37x plain steps). One timed while the plain
+        step cost less than now looks cheap: it is chosen, and so timed again."""
+        timed = self.cells[rows]
+        plain = timed.get(0)
+        return {g: seconds for g, seconds in timed.items()
+                if not g or plain is None or (rows, g) not in self.plain_then
+                or self.plain_then[rows, g] <= (1 + HOLD) * plain}
 
     @staticmethod
     def between(timed: dict[int, float], gamma: int, slope: float) -> float:
@@ -274,7 +296,7 @@ class StepCosts:
         fitted = self.fit(rows)
         if fitted:
             return fitted[1]
-        (gamma, seconds), = self.cells[rows].items()
+        (gamma, seconds), = self.current(rows).items()
         relative = PRIOR_SLOPE
         lines = {b: cost_line for b in self.cells if (cost_line := self.fit(b))}
         if lines:
@@ -296,7 +318,7 @@ class StepCosts:
         kernel's tiles); the plain step joins it then (traced at 16 rows on the embedded pair in
         float32: gamma 1 and 2 at 188 and 180 ms priced every gamma above at 180 ms, and gamma 8
         ran at 507, 4.4 plain steps)."""
-        timed = self.cells[rows]
+        timed = self.current(rows)
         drafted = {g: seconds for g, seconds in timed.items() if g}
         if len(drafted) >= 2:
             intercept, slope = line(drafted)
