@@ -104,8 +104,12 @@ per second; gamma 0 is a plain target step, the draft sits out.
   timed fewer times is evicted to, and timed then: on a GPU, where fewer rows should never cost
   more, rows leave. Trees never keep rows (their drafters go on proposing for every row).
 - The draft's catch-up: after plain steps (and at a batch's start, its prompts) its first
-  forward also reads every token it skipped, a cost per row and skipped token timed on the
-  steps that did so (those steps do not count towards T). It is paid once for all the
+  forward also reads every token it skipped, a cost per row and skipped token: what a step that
+  did so took over the next one, where that took the same gamma at as many rows (such steps
+  do not count towards T). Against the gamma's estimate instead, a cost timed on a slower
+  machine, or not timed yet, went into it (traced on an H100 at batch 1: 1.3-1.7 ms a token
+  against steps of 20 ms, where reading 50 tokens costs about what reading one does, and
+  probes priced out within every row). It is paid once for all the
   speculative steps after it, so a step with gamma > 0 is priced with the catch-up spread over
   the steps the batch has left at that gamma (the tokens its rows may still generate over the
   step's expected tokens): speculation that clearly pays starts at once, one that barely pays
@@ -372,6 +376,7 @@ class GammaPolicy:
         self.since_retime = 0  # speculative steps since another gamma than the best was re-timed
         self.credit, self.plain_credit = 0.0, 0.0  # best steps' worth of loss re-timings (stale plain steps') may spend
         self.catch_up: float | None = None  # seconds a step spends per row and token the draft skipped
+        self.caught: tuple | None = None  # the last catch-up step's (rows, gamma, tree, seconds, behind)
         self.probing: tuple[int, bool] | None = None  # a probe's (gamma, tree) to run once more: its step caught up
 
     @property
@@ -499,7 +504,8 @@ class GammaPolicy:
                 behind: int = 0, tree: bool = False) -> None:
         """A step's outcome: proposals accepted and checked (all rows; a tree's: along the
         accepted paths), its seconds (None: not timed) and the tokens the draft read first
-        (behind > 1: a catch-up, timed apart)."""
+        (behind > 1: a catch-up, which costs what it took over the next step when that takes the
+        same gamma at as many rows)."""
         if tree:
             self.tree_accepted = RUN_DECAY * self.tree_accepted + accepted
             self.tree_checked = RUN_DECAY * self.tree_checked + checked
@@ -511,10 +517,11 @@ class GammaPolicy:
             self.accepted, self.checked = PLAIN_DECAY * self.accepted, PLAIN_DECAY * self.checked
         if seconds is None:
             return
-        if not gamma or behind <= 1:
-            (self.tree_costs if tree else self.costs).add(rows, gamma, seconds)
+        if gamma and behind > 1:  # priced against the next step, if it takes the same gamma at as many rows
+            self.caught = (rows, gamma, tree, seconds, behind)
             return
-        costs = (self.tree_costs if tree and self.tree_costs.cells else self.costs).estimates(rows, self.gamma_max)
-        if costs is not None:
-            per_token = max(seconds - costs[gamma], 0.0) / (rows * behind)
+        (self.tree_costs if tree else self.costs).add(rows, gamma, seconds)
+        if self.caught and self.caught[:3] == (rows, gamma, tree):
+            per_token = max(self.caught[3] - seconds, 0.0) / (rows * self.caught[4])
             self.catch_up = per_token if self.catch_up is None else self.catch_up + 0.2 * (per_token - self.catch_up)
+        self.caught = None
