@@ -305,8 +305,8 @@ def test_a_gamma_timed_on_a_slower_machine_is_timed_again(expires, monkeypatch):
     machine), gamma 2 timed once at 185 ms; then the machine ran plain steps in 13 ms, where
     fixed gamma 3 gained 1.37x. gamma 2's cost, kept, priced gamma 2 and the line through it out,
     and the probes that would time them again: the first came after 515 plain steps, and gamma 1
-    held after it. Timed while a plain step cost over 1.25x what it costs now, it is priced at no
-    more than the other costs say: speculation from the third step on, gamma 3 on 86 % of the
+    held after it. Timed while a plain step cost over twice what it costs now, it is priced at no
+    more than the other costs say: speculation from the sixth step on, gamma 3 on 89 % of the
     steps."""
     if not expires:
         monkeypatch.setattr(StepCosts, "current", lambda self, rows: self.cells[rows])

@@ -45,7 +45,7 @@ per second; gamma 0 is a plain target step, the draft sits out.
   gamma not timed yet at B is estimated from those that were (linear in gamma, the plain step
   left out where it lies under a rising line through the gammas > 0: StepCosts.fit; or carried
   over from the nearest B), tried when that estimate says it pays, and timed then. A gamma timed
-  while the plain step cost over (1 + HOLD) times what it costs now is priced at no more than
+  while the plain step cost over STALE (2) times what it costs now is priced at no more than
   that estimate, until timed again (StepCosts.current): timed on a slower machine, its cost would
   keep it out for good, where plain steps win and no probe can afford it.
 - Speculation is chosen only when it promises MARGIN more work per second than a plain step:
@@ -142,6 +142,7 @@ KEEP_MARGIN = 0.1  # how much faster a bigger batch's steps must have been timed
 KEEP_EVIDENCE = 8  # steps timed at a batch size before its mean time counts for that
 OFF_LINE = 0.25  # how far over a plain step's cost the gammas' line may start, the plain step on it (StepCosts.fit)
 TRIAL = 16  # proposals a run checks before its alpha may stop speculation (twice PRIOR_WEIGHT)
+STALE = 2.0  # a gamma timed while a plain step cost this many times what it costs now is priced anew
 MARGIN = 0.03  # the least gain in expected work per second over a plain step that speculation needs
 PRIOR_FIXED_SHARE = 0.5  # the share of a plain step that does not grow with its rows, before it was measured
 
@@ -261,7 +262,7 @@ class StepCosts:
 
     def current(self, rows: int) -> dict[int, float]:
         """The cells timed at `rows` (gamma -> seconds) less those of gammas > 0 timed while a plain
-        step cost over (1 + HOLD) times what it costs now. Timed on a slower machine (a phase of
+        step cost over STALE times what it costs now. Timed on a slower machine (a phase of
         it, a batch size's first shapes), such a cost is priced at no more than the others say
         until it is timed again; kept, it would keep its gamma out, as plain steps win and the
         probes it prices never come (traced on an H100 at 8 rows: gamma 2 timed once at 185 ms
@@ -272,7 +273,7 @@ class StepCosts:
         plain = timed.get(0)
         return {g: seconds for g, seconds in timed.items()
                 if not g or plain is None or (rows, g) not in self.plain_then
-                or self.plain_then[rows, g] <= (1 + HOLD) * plain}
+                or self.plain_then[rows, g] <= STALE * plain}
 
     @staticmethod
     def between(timed: dict[int, float], gamma: int, slope: float) -> float:
