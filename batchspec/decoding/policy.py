@@ -270,10 +270,9 @@ class StepCosts:
         of them later, where fixed gamma 3 ran 1.37x plain steps). One timed while the plain
         step cost less than now looks cheap: it is chosen, and so timed again."""
         timed = self.cells[rows]
-        plain = timed.get(0)
+        plain = timed.get(0, math.inf)  # no plain step timed at rows: none is stale
         return {g: seconds for g, seconds in timed.items()
-                if not g or plain is None or (rows, g) not in self.plain_then
-                or self.plain_then[rows, g] <= STALE * plain}
+                if not g or self.plain_then.get((rows, g), 0.0) <= STALE * plain}
 
     @staticmethod
     def between(timed: dict[int, float], gamma: int, slope: float) -> float:
