@@ -522,6 +522,7 @@ class GammaPolicy:
             return
         (self.tree_costs if tree else self.costs).add(rows, gamma, seconds)
         if self.caught and self.caught[:3] == (rows, gamma, tree):
-            per_token = max(self.caught[3] - seconds, 0.0) / (rows * self.caught[4])
+            caught_seconds, caught_behind = self.caught[3:]
+            per_token = max(caught_seconds - seconds, 0.0) / (rows * caught_behind)
             self.catch_up = per_token if self.catch_up is None else self.catch_up + 0.2 * (per_token - self.catch_up)
         self.caught = None
