@@ -28,7 +28,7 @@ from batchspec.models import context_length, load_config, load_pair, load_tokeni
 from batchspec.records import RecordMaker
 from batchspec.request_body import SAMPLES, SAMPLING_KEYS
 from batchspec.sink import OutputPaths, Sink, check_fingerprint, locked, write_atomic
-from batchspec.sources import RowError, input_size, read_run_input
+from batchspec.sources import Row, RowError, input_size, read_run_input
 from batchspec.stats import RunStats, progress_bar
 
 
@@ -131,7 +131,23 @@ def run_row_options(cfg: RunConfig, vocab: int, generation_config) -> RowOptions
 
 def shard_items(cfg: RunConfig):
     """This shard's rows and error lines of the input."""
-    return shards.owned(read_run_input(cfg.input, cfg.options()), cfg.num_shards, cfg.shard_index)
+    return warn_unapplied(shards.owned(read_run_input(cfg.input, cfg.options()), cfg.num_shards, cfg.shard_index))
+
+
+def warn_unapplied(items):
+    """The items as they come, with one warning at the first plain row that carries fields a
+    request body would take as options (max_tokens, stop, ...): they are data there, and a run
+    that drops what the user meant as options must not do it silently."""
+    warned = False
+    for item in items:
+        if not warned and isinstance(item, Row) and item.unapplied:
+            keys = ", ".join(map(repr, item.unapplied))
+            say(f"warning: input row {item.line} has {keys} beside its prompt or messages; a plain row's other "
+                "fields are data (--keep-fields), not options, so they are not applied. Give per-row options as "
+                'OpenAI-batch lines ({"custom_id": ..., "body": {...}}) or every row\'s on the command line '
+                "(batchspec run --help). Warned once.")
+            warned = True
+        yield item
 
 
 def encoder(cfg: RunConfig, tokenizer, context: int | None, options: RowOptions):

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from batchspec.chat import chat_request
+from batchspec.chat import CHAT_KEYS, chat_request
 from batchspec.errors import UsageError, first_line
 from batchspec.idset import IdSet
-from batchspec.request_body import body_problem, request_options
+from batchspec.request_body import HONORED_KEYS, body_problem, request_options
 
 BOM = b"\xef\xbb\xbf"
 
@@ -29,6 +29,7 @@ class Row:
     options: dict = field(default_factory=dict)  # per-row RowOptions and SamplingParams fields (request_options)
     chat: dict = field(default_factory=dict)  # per-row TemplateOptions fields (chat_request)
     endpoint: str | None = None  # an OpenAI-batch request's url
+    unapplied: tuple[str, ...] = ()  # a plain row's fields named like request options: data, not options
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,16 @@ def parse_request(obj: dict, line: int) -> Row | RowError:
     return Row(custom_id, line, body["prompt"], obj, options=options, endpoint=url)
 
 
+OPTION_KEYS = HONORED_KEYS | set(CHAT_KEYS)  # a request body's keys that change the output
+
+
+def unapplied_keys(obj: dict, fields: Fields) -> tuple[str, ...]:
+    """The fields of a plain prompt/messages row that a request body would take as options (its
+    max_tokens, stop, tools, ...): a plain row's other fields are data (--keep-fields), so these
+    are not applied, and the job says so (job.warn_unapplied)."""
+    return tuple(sorted(obj.keys() & OPTION_KEYS - {fields.prompt, fields.messages, fields.id, fields.tools}))
+
+
 def parse_object(obj, line: int, fields: Fields) -> Row | RowError:
     """One input object (a JSONL line's value, a dataset example) -> Row or RowError."""
     if not isinstance(obj, dict):
@@ -172,13 +183,14 @@ def parse_object(obj, line: int, fields: Fields) -> Row | RowError:
         problem = check_messages(obj[fields.messages], fields.messages)
         if problem:
             return RowError(line, rid, "invalid_messages", problem)
-        return Row(rid, line, None, obj, messages=obj[fields.messages], chat=chat)
+        return Row(rid, line, None, obj, messages=obj[fields.messages], chat=chat,
+                   unapplied=unapplied_keys(obj, fields))
     if prompt is None:
         what = "is null" if fields.prompt in obj else "is missing"
         return RowError(line, rid, "missing_prompt", f"field {fields.prompt!r} {what} (and no {fields.messages!r})")
     if not isinstance(prompt, str):
         return RowError(line, rid, "invalid_prompt", f"field {fields.prompt!r} must be a string, got {json_type(prompt)}")
-    return Row(rid, line, prompt, obj, chat=chat)
+    return Row(rid, line, prompt, obj, chat=chat, unapplied=unapplied_keys(obj, fields))
 
 
 def row_tools(value) -> dict:

@@ -355,6 +355,25 @@ def test_dry_run_needs_no_weights(setup, tmp_path):
     assert not out.exists() and not list(tmp_path.glob("out*"))
 
 
+def test_option_fields_on_plain_rows_are_warned_once(setup, tmp_path):
+    """A plain row's fields named like request options (max_tokens, stop, tools, ...) are data,
+    not applied: the run says so once, at the first such row, and names its keys; the configured
+    prompt/id fields and rows without such keys raise nothing."""
+    source = tmp_path / "plain.jsonl"
+    rows = [{"id": "a", "prompt": "x", "topic": "maths"},
+            {"id": "b", "prompt": "y", "max_tokens": 3, "stop": ".", "source": "web"},
+            {"id": "c", "messages": [{"role": "user", "content": "z"}], "temperature": 0.2, "tools": []}]
+    source.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    dry = ("--out", str(tmp_path / "o.jsonl"), "--target", str(setup["target"]), "--dry-run", "--no-progress")
+    result = run_here(str(source), *dry)
+    assert result.exit_code == 0
+    assert result.output.count("warning: ") == 1
+    assert "input row 2 has 'max_tokens', 'stop' beside its prompt" in result.output
+    source.write_bytes(orjson.dumps({"stop": "x", "n": 2, "prompt": "y"}) + b"\n")  # stop holds the prompt
+    result = run_here(str(source), *dry, "--prompt-field", "stop", "--id-field", "n")
+    assert result.exit_code == 0 and "warning: " not in result.output
+
+
 def max_rss_kib(args) -> int:
     process = subprocess.Popen(cli(*args), env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _, status, usage = os.wait4(process.pid, 0)
