@@ -135,6 +135,8 @@ def parse_request(obj: dict, line: int) -> Row | RowError:
         return RowError(line, custom_id, "invalid_request",
                         f"unsupported request {method} {url}; batchspec serves POST {' and '.join(OPENAI_URLS)}")
     body = obj["body"]
+    if not isinstance(body, dict):
+        return RowError(line, custom_id, "invalid_request", f"'body' must be an object, got {json_type(body)}")
     input_key = "messages" if url == OPENAI_URLS[0] else "prompt"
     problem = body_problem(body, input_key)
     if problem:
@@ -149,8 +151,11 @@ def parse_request(obj: dict, line: int) -> Row | RowError:
         if problem:
             return RowError(line, custom_id, "invalid_messages", problem)
         return Row(custom_id, line, None, obj, messages=body["messages"], options=options, chat=chat, endpoint=url)
-    if not isinstance(body.get("prompt"), str):
-        return RowError(line, custom_id, "invalid_prompt", "'body.prompt' must be a string")
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        listed = " (a list of prompts or of token ids is not supported: one request per prompt)" if isinstance(
+            prompt, list) else ""
+        return RowError(line, custom_id, "invalid_prompt", f"'body.prompt' must be a string, got {json_type(prompt)}{listed}")
     return Row(custom_id, line, body["prompt"], obj, options=options, endpoint=url)
 
 
@@ -168,7 +173,7 @@ def parse_object(obj, line: int, fields: Fields) -> Row | RowError:
     """One input object (a JSONL line's value, a dataset example) -> Row or RowError."""
     if not isinstance(obj, dict):
         return RowError(line, None, "not_an_object", f"expected a JSON object, got {json_type(obj)}")
-    if "custom_id" in obj and isinstance(obj.get("body"), dict):
+    if "custom_id" in obj and "body" in obj:
         return parse_request(obj, line)
     try:
         rid = row_id(obj, fields.id, line)

@@ -23,6 +23,8 @@ BAD_LINES = [
     (b'{"id": 12.5, "prompt": "float id"}', "invalid_id"),
     (b'{"id": 13, "prompt": "x", "temperature": NaN}', "invalid_json"),  # Python's json would take these two
     (b'{"id": 14, "prompt": "\\ud800 alone"}', "invalid_json"),
+    (b'{"custom_id": "r15", "body": "not an object"}', "invalid_request"),  # a request, not a row without prompt
+    (b'{"custom_id": "r16", "url": "/v1/completions", "body": {"prompt": [1, 2]}}', "invalid_prompt"),
     (b'{"prompt": "no id: the line number is the id"}', None),
 ]
 
@@ -44,6 +46,7 @@ def test_each_bad_line_gets_one_typed_error(tmp_path, name):
         else:
             assert isinstance(item, RowError) and item.type == kind and item.message
     assert items[-1].id == str(len(BAD_LINES))  # the 1-based line number, as a string
+    assert (items[14].id, items[15].id) == ("r15", "r16") and "token ids is not supported" in items[15].message
     assert items[5].record() == {"id": "6", "line": 6, "error": {"type": "missing_prompt", "message": items[5].message}}
 
 
@@ -51,6 +54,19 @@ def test_bom_crlf_and_blank_lines(tmp_path):
     lines = [b'\xef\xbb\xbf{"id": "a", "prompt": "first"}', b"", b"   ", b'{"id": "b", "prompt": "second"}', b""]
     items = list(read_jsonl(write(tmp_path, lines, newline=b"\r\n")))
     assert [(i.id, i.line, i.prompt) for i in items] == [("a", 1, "first"), ("b", 4, "second")]
+
+
+def test_plain_rows_name_their_option_fields(tmp_path):
+    """A plain row's fields named like request body keys are listed as unapplied (job warns); its
+    configured prompt, id and tools fields and a request's body keys are not."""
+    lines = [b'{"id": "a", "prompt": "x", "max_tokens": 3, "tools": [], "topic": "t", "n": 2}',
+             b'{"id": "b", "messages": [{"role": "user", "content": "x"}], "stop": "."}',
+             b'{"custom_id": "c", "body": {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3}}',
+             b'{"seed": "d", "stop": "y", "tools": []}']
+    items = list(read_jsonl(write(tmp_path, lines[:3])))
+    assert [i.unapplied for i in items] == [("max_tokens", "n", "tools"), ("stop",), ()]
+    custom, = read_jsonl(write(tmp_path, lines[3:]), Fields(prompt="stop", id="seed", tools="tools"))
+    assert custom.prompt == "y" and custom.unapplied == ()
 
 
 def test_custom_fields_and_numeric_ids(tmp_path):
