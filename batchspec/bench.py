@@ -5,8 +5,8 @@ generation and prompt lookup, which take one row at a time).
 Every method decodes the same prompts, greedy, in batches of each batch size, in one process:
 a warm-up batch first (not timed), then `repeats` passes over the batches, interleaved batch by
 batch (every method decodes a batch before any decodes the next, every other time in reverse
-order), so that a machine whose speed drifts over minutes slows all methods alike; a pass's time
-is its batches' times, the best pass counting. Bare forwards, which price the ideal, take a turn
+order), so that a machine whose speed drifts over minutes slows all methods alike; a cell's time
+is its batches' times, each batch's fastest run counting. Bare forwards, which price the ideal, take a turn
 on a few batches of each pass too. Each speculative method keeps one gamma policy
 for the whole cell, as a job keeps one for its run, so auto is timed as it runs once it has
 measured its step costs. Tokens/s counts each row's own completion tokens.
@@ -53,9 +53,10 @@ class Cell:
     config: DecodeConfig
     draft: object | None = None  # the draft model its decoder runs
     times: list[float] = field(default_factory=list)  # seconds of each timed pass (its batches' times)
-    outputs: list[list[int]] = field(default_factory=list)  # completion token ids per prompt (best pass)
-    stats: list[dict] = field(default_factory=list)  # per-row stats (batchspec methods; best pass)
-    forwards: int = 0  # target forwards in the best pass
+    seconds: float = 0.0  # its time: each batch's fastest run, summed (settle)
+    outputs: list[list[int]] = field(default_factory=list)  # completion token ids per prompt (fastest runs)
+    stats: list[dict] = field(default_factory=list)  # per-row stats (batchspec methods; fastest runs)
+    forwards: int = 0  # target forwards in the fastest runs
     peak_mib: float | None = None  # the most memory a batch's run held above what was held before it
     mismatches: list[dict] = field(default_factory=list)  # rows unlike its reference's (fidelity.mismatches)
     policy: GammaPolicy | None = None
@@ -63,7 +64,7 @@ class Cell:
     ideal: float | None = None  # the speed-up over ar its alpha promises at bare forward costs (ForwardCosts)
     options: RowOptions | None = None  # every row's (--with-options, --json-schema)
     samples: int = 1  # rows per prompt, side by side in a batch (--samples)
-    mask_seconds: float = 0.0  # host time its grammar masks took (best pass)
+    mask_seconds: float = 0.0  # host time its grammar masks took (fastest runs)
 
     def prompts(self, prompts: list[list[int]]) -> list[list[int]]:
         """The rows it decodes: as many as `prompts`, each prompt `samples` times in a row."""
@@ -72,10 +73,6 @@ class Cell:
     @property
     def tokens(self) -> int:
         return sum(len(ids) for ids in self.outputs)
-
-    @property
-    def seconds(self) -> float:
-        return min(self.times)
 
     @property
     def rate(self) -> float:
@@ -402,11 +399,13 @@ def interleaved(cells: list[Cell], batches: int, repeats: int):
 
 
 def settle(cell: Cell, runs: list[list[Run]]) -> None:
-    """The cell's results from its runs (per batch, one per pass): its best pass counts (a pass's
-    time is its batches' times)."""
+    """The cell's results from its runs (per batch, one per pass): each batch's fastest run
+    counts, with its rows and stats. Every method decoded that batch side by side in each pass, so
+    the fastest is the one a stall or a slow phase of the machine touched least; whole passes,
+    minutes long, each hold some of both. times: each pass's (its batches' times)."""
     cell.times = [sum(batch[p].seconds for batch in runs) for p in range(len(runs[0]))]
-    fastest = cell.times.index(min(cell.times))
-    best = [batch[fastest] for batch in runs]
+    best = [min(batch, key=lambda run: run.seconds) for batch in runs]
+    cell.seconds = sum(run.seconds for run in best)
     cell.outputs = [row for run in best for row in run.outputs]
     cell.stats = [row for run in best for row in run.stats]
     cell.forwards = sum(run.forwards for run in best)

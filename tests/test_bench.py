@@ -251,18 +251,19 @@ def test_methods_take_turns_batch_by_batch():
     assert [b for _, b in interleaved(["ar"], batches=3, repeats=1)] == [0, 1, 2]
 
 
-def test_a_cells_best_pass_counts():
-    """A pass's time sums its batches' runs; the fastest pass counts, with its rows and stats;
-    the memory is the most any run held."""
+def test_each_batchs_fastest_run_counts():
+    """A cell's time sums each batch's fastest run (from whichever pass), with its rows and stats;
+    a pass's time (times, for the spread) sums its batches' runs; the memory is the most any run
+    held."""
     cell = Cell(2, AUTO, DecodeConfig(max_new_tokens=4))
     runs = [[Run([[1]], [{"s": "a0"}], seconds=3.0, forwards=5, peak_mib=1.0),
              Run([[1]], [{"s": "a1"}], seconds=2.0, forwards=4, peak_mib=None)],
             [Run([[2, 3]], [{"s": "b0"}], seconds=1.0, forwards=2, peak_mib=7.0),
              Run([[2, 3]], [{"s": "b1"}], seconds=4.0, forwards=3, peak_mib=2.0)]]
     settle(cell, runs)
-    assert cell.times == [4.0, 6.0] and cell.seconds == 4.0 and cell.rate == 0.75
-    assert cell.outputs == [[1], [2, 3]] and cell.stats == [{"s": "a0"}, {"s": "b0"}]
-    assert cell.forwards == 7 and cell.peak_mib == 7.0
+    assert cell.times == [4.0, 6.0] and cell.seconds == 3.0 and cell.rate == 1.0
+    assert cell.outputs == [[1], [2, 3]] and cell.stats == [{"s": "a1"}, {"s": "b0"}]
+    assert cell.forwards == 6 and cell.peak_mib == 7.0
 
 
 def test_peak_memory_sees_an_allocation_freed_before_the_block_ends():
