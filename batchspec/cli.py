@@ -267,7 +267,8 @@ def int_list(text: str, name: str) -> list[int]:
 @option("--ngram-max", type=click.IntRange(1), default=4, help="Longest n-gram looked up.")
 @option("--gamma-max", type=click.IntRange(1, 64), default=8, help="The most draft tokens auto proposes.")
 @option("--max-new-tokens", type=click.IntRange(1), default=64, help="Most tokens generated per row.")
-@option("--repeats", type=click.IntRange(1), default=2, help="Timed passes, interleaved batch by batch; each batch's fastest run counts.")
+@option("--repeats", type=click.IntRange(1), default=2,
+        help="Timed passes, interleaved batch by batch; each batch's fastest run counts.")
 @option("--with-options", is_flag=True, default=False,
         help="Also ar and spec auto with every logits processor (too weak to change a token) and 5 logprobs.")
 @option("--samples", type=click.IntRange(1, 128), default=1,

@@ -155,7 +155,8 @@ def parse_request(obj: dict, line: int) -> Row | RowError:
     if not isinstance(prompt, str):
         listed = " (a list of prompts or of token ids is not supported: one request per prompt)" if isinstance(
             prompt, list) else ""
-        return RowError(line, custom_id, "invalid_prompt", f"'body.prompt' must be a string, got {json_type(prompt)}{listed}")
+        return RowError(line, custom_id, "invalid_prompt",
+                        f"'body.prompt' must be a string, got {json_type(prompt)}{listed}")
     return Row(custom_id, line, body["prompt"], obj, options=options, endpoint=url)
 
 
