@@ -614,5 +614,5 @@ def bench(*, target: str | None, draft: str | None, prompts: str, rows: int | No
     drafted_by = f"draft  {draft if pair.draft is not None else '(none)'}; n-gram sizes {ngram_min}..{ngram_max}"
     return (f"target {target}\n{drafted_by}\n"
             f"{where}; {len(token_ids)} prompts, max_new_tokens {max_new_tokens}, "
-            f"greedy, best of {repeats}\n\n{table(cells)}\n\n{verdicts(cells)}{note}"
+            f"greedy, each batch the best of {repeats} runs\n\n{table(cells)}\n\n{verdicts(cells)}{note}"
             + "".join(f"\nwrote {path}" for path in written))
