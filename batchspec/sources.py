@@ -153,10 +153,9 @@ def parse_request(obj: dict, line: int) -> Row | RowError:
         return Row(custom_id, line, None, obj, messages=body["messages"], options=options, chat=chat, endpoint=url)
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
-        listed = " (a list of prompts or of token ids is not supported: one request per prompt)" if isinstance(
-            prompt, list) else ""
+        listed = " (a list of prompts or of token ids is not supported: one request per prompt)"
         return RowError(line, custom_id, "invalid_prompt",
-                        f"'body.prompt' must be a string, got {json_type(prompt)}{listed}")
+                        f"'body.prompt' must be a string, got {json_type(prompt)}{listed * isinstance(prompt, list)}")
     return Row(custom_id, line, body["prompt"], obj, options=options, endpoint=url)
 
 
@@ -170,11 +169,19 @@ def unapplied_keys(obj: dict, fields: Fields) -> tuple[str, ...]:
     return tuple(sorted(obj.keys() & OPTION_KEYS - {fields.prompt, fields.messages, fields.id, fields.tools}))
 
 
+def is_request(obj: dict, fields: Fields) -> bool:
+    """An OpenAI-batch request line: a custom_id and a body that is an object, or any body where
+    the row has no prompt or messages of its own (a malformed request, not a plain row whose
+    data has a text `body`)."""
+    own_input = {fields.prompt, fields.messages} & obj.keys()
+    return "custom_id" in obj and "body" in obj and (isinstance(obj["body"], dict) or not own_input)
+
+
 def parse_object(obj, line: int, fields: Fields) -> Row | RowError:
     """One input object (a JSONL line's value, a dataset example) -> Row or RowError."""
     if not isinstance(obj, dict):
         return RowError(line, None, "not_an_object", f"expected a JSON object, got {json_type(obj)}")
-    if "custom_id" in obj and "body" in obj:
+    if is_request(obj, fields):
         return parse_request(obj, line)
     try:
         rid = row_id(obj, fields.id, line)

@@ -64,6 +64,8 @@ def test_plain_rows_name_their_option_fields(tmp_path):
              b'{"custom_id": "c", "body": {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3}}',
              b'{"seed": "d", "stop": "y", "tools": []}']
     items = list(read_jsonl(write(tmp_path, lines[:3])))
+    text_body, = read_jsonl(write(tmp_path, [b'{"custom_id": 1, "body": "an email", "prompt": "Sum it up:"}']))
+    assert text_body.prompt == "Sum it up:"  # a plain row whose data has a text body, not a request
     assert [i.unapplied for i in items] == [("max_tokens", "n", "tools"), ("stop",), ()]
     custom, = read_jsonl(write(tmp_path, lines[3:]), Fields(prompt="stop", id="seed", tools="tools"))
     assert custom.prompt == "y" and custom.unapplied == ()
