@@ -145,3 +145,20 @@ def test_hybrid_draft_cache_holds_each_rows_accepted_prefix(tiny_pair, family, k
     assert [p + r.token_ids for p, r in zip(prompts, rows)] == [t[: len(p) + 40] for p, t in zip(prompts, truth)]
     assert max(sat_out) > 0  # steps where the model sat out and rows accepted the lookup's tokens
     assert all(r.stats["model_steps"] and r.stats["ngram_steps"] for r in rows)
+
+
+@pytest.mark.parametrize("family", ["llama", "bart"])
+def test_every_forward_runs_without_cudnn_attention(tiny_pair, family):
+    """cuDNN attention builds a plan for every new shape, and a decode step's key length is new
+    at every step: each forward of a decode (prefill, draft, verify; an encoder–decoder's
+    encoder too) has it off, and the process's setting is back after."""
+    pair = load_pair(*map(str, tiny_pair(family)), dtype="float32", device="cpu")
+    flags = []
+    hooks = [m.register_forward_pre_hook(lambda *_: flags.append(torch.backends.cuda.cudnn_sdp_enabled()))
+             for m in (pair.target, pair.draft, pair.target.get_encoder() if family == "bart" else pair.target)]
+    config = DecodeConfig(max_new_tokens=6, eos_token_ids=(), gamma=2)
+    BatchDecoder(pair.target, pair.draft, random_prompts(len(pair.tokenizer), [3, 7]), [0, 1], config).run()
+    for hook in hooks:
+        hook.remove()
+    assert len(flags) > 4 and not any(flags)
+    assert torch.backends.cuda.cudnn_sdp_enabled()

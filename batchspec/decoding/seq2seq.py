@@ -14,9 +14,10 @@ then sees each row's tokens at their own positions.
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import sdpa_kernel
 from transformers import DynamicCache, EncoderDecoderCache
 
-from batchspec.decoding.kv_cache import BatchKV
+from batchspec.decoding.kv_cache import ANY_SHAPE_ATTENTION, BatchKV
 
 T5_FAMILY = ("t5", "mt5", "umt5")  # a relative position bias (UMT5: in every layer)
 BART_FAMILY = ("bart", "mbart", "marian", "pegasus")  # learned (offset 2) or sinusoidal position embeddings
@@ -109,7 +110,8 @@ class Seq2SeqKV(BatchKV):
         ids, mask = source
         super().__init__(model, ids.shape[0], ids.device)
         self.positions = row_positions(model)
-        self.encoded = model.get_encoder()(input_ids=ids, attention_mask=mask)  # last_hidden_state [B, P, H]
+        with sdpa_kernel(ANY_SHAPE_ATTENTION):
+            self.encoded = model.get_encoder()(input_ids=ids, attention_mask=mask)  # last_hidden_state [B, P, H]
         self.source_mask = mask  # [B, P]
 
     def new_cache(self):
@@ -120,14 +122,15 @@ class Seq2SeqKV(BatchKV):
             logits_to_keep: int) -> torch.Tensor:
         self.positions.positions = positions  # [B, L]: what the model's patch reads
         try:
-            out = self.model(
-                encoder_outputs=self.encoded,
-                attention_mask=self.additive(self.source_mask.bool()[:, None, None, :]),  # [B, 1, 1, P]: no sync
-                decoder_input_ids=input_ids,
-                decoder_attention_mask=self.attention_masks(seen, positions),
-                use_cache=True,
-                **{self.cache_keyword: self.cache},
-            )
+            with sdpa_kernel(ANY_SHAPE_ATTENTION):
+                out = self.model(
+                    encoder_outputs=self.encoded,
+                    attention_mask=self.additive(self.source_mask.bool()[:, None, None, :]),  # [B, 1, 1, P]: no sync
+                    decoder_input_ids=input_ids,
+                    decoder_attention_mask=self.attention_masks(seen, positions),
+                    use_cache=True,
+                    **{self.cache_keyword: self.cache},
+                )
         finally:
             self.positions.positions = None
         return out.logits[:, -logits_to_keep:] if logits_to_keep else out.logits  # the model ignores logits_to_keep
