@@ -124,6 +124,7 @@ per second; gamma 0 is a plain target step, the draft sits out.
 """
 
 import math
+from statistics import NormalDist
 from typing import NamedTuple
 
 PRIOR_ALPHA = 0.5  # the run's alpha before any proposal was checked
@@ -164,18 +165,34 @@ def chain_tokens(alpha: float, gamma: int) -> float:
 def expected_tokens(alphas: list[float], remaining: list[int], gamma_max: int) -> Expected:
     """A step's expected yield per gamma from the rows' alphas and the tokens each may still
     generate: E = 1 + a + ... + a^(m-1) per row, m = min(gamma + 1, remaining), summed; and the
-    longest remainder before the step less the longest after it."""
+    longest remainder before the step less the longest after it, times the share of it the
+    batch's end gains when the rows' yields spread (tail_share)."""
     totals = [0.0] * (gamma_max + 1)
     after = [0.0] * (gamma_max + 1)  # the longest remainder after the step
+    moments = [(1.0, 0.0)] * (gamma_max + 1)  # the mean and variance of the yield of the row that holds it
     for alpha, left in zip(alphas, remaining):
-        power, tokens = 1.0, 0.0
+        power, tokens, square = 1.0, 0.0, 0.0  # square: E(t^2) = sum of (2k + 1) a^k, k < m
         for gamma in range(gamma_max + 1):
             if gamma < left:
-                tokens, power = tokens + power, power * alpha
+                tokens, square, power = tokens + power, square + (2 * gamma + 1) * power, power * alpha
             totals[gamma] += tokens
-            after[gamma] = max(after[gamma], left - tokens)
+            if left - tokens > after[gamma]:
+                after[gamma], moments[gamma] = left - tokens, (tokens, square - tokens**2)
     longest = max(remaining, default=0)
-    return Expected(totals, [longest - a for a in after])
+    return Expected(totals, [(longest - a) * tail_share(longest, *m, len(remaining)) for a, m in zip(after, moments)])
+
+
+def tail_share(longest: int, mean: float, variance: float, rows: int) -> float:
+    """The share of its rows' expected yield by which a batch's end comes nearer, a step at a
+    time, where a step's yield varies by `variance` about `mean` per row: the longest remainder
+    takes longest / mean steps at the mean, and the last of `rows` rows to finish lags behind it
+    by the expected largest of `rows` standard normals (Blom's approximation) times the spread
+    of a row's progress over those steps, sqrt(variance * steps). Plain steps (no variance)
+    and a batch of one row (no largest of several) lose nothing."""
+    if rows < 2 or variance <= 0 or longest <= 0:
+        return 1.0
+    lag = NormalDist().inv_cdf((rows - 0.375) / (rows + 0.25)) * math.sqrt(variance * longest / mean)
+    return longest / (longest + lag)
 
 
 def row_seen(seen: tuple[float, float], accepted: int, proposed: int) -> tuple[float, float]:
