@@ -154,8 +154,9 @@ def test_every_forward_runs_without_cudnn_attention(tiny_pair, family):
     encoder too) has it off, and the process's setting is back after."""
     pair = load_pair(*map(str, tiny_pair(family)), dtype="float32", device="cpu")
     flags = []
+    models = [pair.target, pair.draft] + ([pair.target.get_encoder()] if family == "bart" else [])
     hooks = [m.register_forward_pre_hook(lambda *_: flags.append(torch.backends.cuda.cudnn_sdp_enabled()))
-             for m in (pair.target, pair.draft, pair.target.get_encoder() if family == "bart" else pair.target)]
+             for m in models]
     config = DecodeConfig(max_new_tokens=6, eos_token_ids=(), gamma=2)
     BatchDecoder(pair.target, pair.draft, random_prompts(len(pair.tokenizer), [3, 7]), [0, 1], config).run()
     for hook in hooks:
