@@ -7,8 +7,8 @@ import pytest
 
 from batchspec.decoding import policy as policy_module
 from batchspec.decoding.policy import (HOLD, KEEP_EVIDENCE, MARGIN, PRIOR_ALPHA, PROBE_LAST, RETIME_GAP, ROW_DECAY,
-                                       GammaPolicy, StepCosts, chain_tokens, expected_tokens, row_alpha, row_seen,
-                                       tail_share)
+                                       GammaPolicy, StepCosts, chain_tokens, expected_tokens, line, row_alpha,
+                                       row_seen, tail_share)
 
 ROWS = 4
 
@@ -581,8 +581,10 @@ def test_step_costs_fill_in_gammas_and_batch_sizes_not_timed():
     assert costs.estimates(5, 2) == pytest.approx([1.0, 1.5, 2.0])  # B 5 borrows the nearest B, 4
     costs.add(4, 1, 1.8)  # two gammas > 0: their line (0.2 a proposal from 1.6, 60 % over the plain step: off it)
     assert costs.estimates(4, 4) == pytest.approx([1.0, 1.8, 2.0, 2.2, 2.4])
-    costs.add(16, 0, 4.0)  # no gamma timed at B 16: B 4's relative slope, 0.2 / 1.6, from the plain step
-    assert costs.estimates(16, 2) == pytest.approx([4.0, 4.5, 5.0])
+    costs.add(16, 0, 4.0)  # no gamma timed at B 16: B 4's costs, scaled to its plain step (the jump to gamma 1 kept)
+    assert costs.estimates(16, 2) == pytest.approx([4.0, 7.2, 8.0])
+    costs.add(32, 1, 6.0)  # one gamma timed, not the plain step: the nearest line's (B 4's) scaled to it
+    assert costs.estimates(32, 3) == pytest.approx([1.0 / 0.3, 6.0, 6.0 * 2.0 / 1.8, 6.0 * 2.2 / 1.8])
     costs.add(4, 2, 2.4)  # a moving average: 2 + 0.2 * (2.4 - 2)
     assert costs.estimates(4, 2)[2] == pytest.approx(2.08)
     for _ in range(RETIME_GAP + 1):
@@ -619,6 +621,25 @@ def test_gammas_timed_without_a_rise_leave_the_plain_step_on_the_line():
     costs = policy.costs.estimates(ROWS, 8)
     assert costs[8] == pytest.approx(0.375, abs=0.001) and costs[3] > costs[2]
     assert policy.choose(ROWS, None) == 0
+
+
+def test_a_batch_size_of_plain_steps_borrows_the_costs_of_the_nearest_with_a_line():
+    """The embedded pair at 16 rows in bfloat16: plain 82 ms, gamma 1 and 2 timed at 128 and
+    128.7 ms (a rise of noise: the plain step joins their line), acceptance 0.44. A row ends and
+    15 rows' first plain step takes 70 ms. 16 rows' costs, scaled to it, price gamma 5 at 15 rows
+    at 2.4 plain steps, and plain steps win there; priced along the gammas' own line (0.7 ms a
+    proposal) from the plain step, every gamma cost what it does and gamma 8 was chosen (gamma 4
+    ran at 172 ms)."""
+    policy = GammaPolicy(gamma_max=8)
+    for gamma, seconds in [(0, 0.082), (1, 0.128), (2, 0.1287)]:
+        policy.costs.add(16, gamma, seconds)
+    policy.costs.add(15, 0, 0.070)
+    measured(policy, 0.44)
+    at_16, at_15 = policy.costs.estimates(16, 8), policy.costs.estimates(15, 8)
+    assert policy.costs.fit(16) == pytest.approx(line({0: 0.082, 1: 0.128, 2: 0.1287}))
+    assert at_15 == pytest.approx([cost * 0.070 / 0.082 for cost in at_16])
+    assert at_15[5] > 2.3 * at_15[0]
+    assert policy.choose(15, expected_tokens([0.44] * 15, [40] * 15, 8)) == 0
 
 
 def test_a_timing_far_over_its_estimate_counts_only_if_the_next_one_is_too():

@@ -145,6 +145,7 @@ TREE_LIFT = 1.25  # a tree's alpha over the chain's, before any tree was checked
 HOLD = 0.25  # a timing this much over its cell's estimate counts only once the cell's next timing confirms it
 KEEP_MARGIN = 0.1  # how much faster a bigger batch's steps must have been timed for rows that end to stay
 KEEP_EVIDENCE = 8  # steps timed at a batch size before its mean time counts for that
+MIN_RISE = 0.05  # the least a proposal adds to a step, in plain steps, on a line through the gammas > 0 alone
 OFF_LINE = 0.25  # how far over a plain step's cost the gammas' line may start, the plain step on it (StepCosts.fit)
 TRIAL = 16  # proposals a run checks before its alpha may stop speculation (twice PRIOR_WEIGHT)
 STALE = 2.0  # a gamma timed while a plain step cost this many times what it costs now is priced anew
@@ -270,16 +271,33 @@ class StepCosts:
 
     def estimates(self, rows: int, gamma_max: int) -> list[float] | None:
         """T(rows, g) for g in 0..gamma_max, or None before any step was timed. A batch size
-        never timed borrows the nearest one's costs: only their ratios matter to the choice."""
+        never timed borrows the nearest one's costs: only their ratios matter to the choice.
+        Gammas not timed lie between the timed ones, or along the cost line (StepCosts.fit)
+        beyond them; with one gamma timed, on the costs of the nearest batch size with a line
+        (StepCosts.borrowed)."""
         if not self.cells:
             return None
         near = rows if rows in self.cells else min(self.cells, key=lambda b: (abs(math.log(b / rows)), b))
         timed, everything = self.current(near), self.cells[near]
-        if all(g in timed for g in range(gamma_max + 1)):
-            return [timed[g] for g in range(gamma_max + 1)]
-        slope = self.slope(near)
-        return [timed[g] if g in timed else min(self.between(timed, g, slope), everything.get(g, math.inf))
+        fitted = self.fit(near)
+        if fitted is None:
+            return self.borrowed(near, gamma_max)
+        return [timed[g] if g in timed else min(self.between(timed, g, fitted[1]), everything.get(g, math.inf))
                 for g in range(gamma_max + 1)]
+
+    def borrowed(self, rows: int, gamma_max: int) -> list[float]:
+        """T(rows, g) where one gamma was timed (a batch size's first steps are plain): the costs
+        of the nearest batch size with a cost line, scaled to the one timed here, else a line
+        rising PRIOR_SLOPE of it per proposal. Scaled whole, they keep the step from the plain
+        cost to the first proposal's, which a slope alone would drop: traced at 16 rows on the
+        embedded pair, plain steps 82 ms and gamma 1 128 ms, the batch's rows ending priced gamma
+        1 to 5 at 15 rows at 70-71 ms, as its plain step, and gamma 4 ran at 172 ms."""
+        (gamma, seconds), = self.current(rows).items()
+        lines = [b for b in self.cells if self.fit(b)]
+        if not lines:
+            return [seconds * (1 + PRIOR_SLOPE * g) / (1 + PRIOR_SLOPE * gamma) for g in range(gamma_max + 1)]
+        other = self.estimates(min(lines, key=lambda b: abs(math.log(b / rows))), max(gamma, gamma_max))
+        return [seconds * cost / other[gamma] for cost in other[: gamma_max + 1]]
 
     def current(self, rows: int) -> dict[int, float]:
         """The cells timed at `rows` (gamma -> seconds) less those of gammas > 0 timed while a plain
@@ -315,20 +333,6 @@ class StepCosts:
         c, d = line(plain)
         return c / (c + d * rows)
 
-    def slope(self, rows: int) -> float:
-        """Seconds per extra proposal at `rows`: its cost line's (StepCosts.fit); with one gamma
-        timed, the relative slope of the nearest batch size with a line, else PRIOR_SLOPE."""
-        fitted = self.fit(rows)
-        if fitted:
-            return fitted[1]
-        (gamma, seconds), = self.current(rows).items()
-        relative = PRIOR_SLOPE
-        lines = {b: cost_line for b in self.cells if (cost_line := self.fit(b))}
-        if lines:
-            intercept, slope = lines[min(lines, key=lambda b: abs(math.log(b / rows)))]
-            relative = slope / intercept
-        return seconds * relative / (1 + relative * gamma)
-
     def fit(self, rows: int) -> tuple[float, float] | None:
         """(intercept, slope) of a least-squares line through the gammas > 0 timed at `rows`, and
         through its plain step too unless the line's intercept is over (1 + OFF_LINE) times it; None
@@ -337,17 +341,18 @@ class StepCosts:
         through it takes that cost for a cost per proposal (traced at batch 1 on a paying pair:
         plain 24 ms, gamma 1, 2, 3, 5 at 46, 56, 53, 62 ms; the line through plain, 1 and 2
         priced gamma 5 at 100 ms, and gamma 3 and up never ran). Where it lies on the line, it
-        is one more point, and the best timed. A line through the gammas > 0 that does not rise
-        would price every gamma above at the cost of those timed, where each proposal adds a
-        draft forward at least (two neighbours may read the other way: timing noise, or a CPU
-        kernel's tiles); the plain step joins it then (traced at 16 rows on the embedded pair in
-        float32: gamma 1 and 2 at 188 and 180 ms priced every gamma above at 180 ms, and gamma 8
-        ran at 507, 4.4 plain steps)."""
+        is one more point, and the best timed. A line through the gammas > 0 that rises less than
+        MIN_RISE of a plain step per proposal would price every gamma above at about the cost of
+        those timed, where each proposal adds a draft forward at least (two neighbours may read
+        alike or the other way: timing noise, or a CPU kernel's tiles); the plain step joins it
+        then (traced at 16 rows on the embedded pair: in float32, gamma 1 and 2 at 188 and 180 ms
+        priced every gamma above at 180 ms, and gamma 8 ran at 507, 4.4 plain steps; in
+        bfloat16, both at 128 ms, a rise of 0.7 ms against plain steps of 82)."""
         timed = self.current(rows)
         drafted = {g: seconds for g, seconds in timed.items() if g}
         if len(drafted) >= 2:
             intercept, slope = line(drafted)
-            if slope > 0 and (0 not in timed or intercept > (1 + OFF_LINE) * timed[0]):
+            if 0 not in timed or slope >= MIN_RISE * timed[0] and intercept > (1 + OFF_LINE) * timed[0]:
                 return intercept, slope
         return line(timed) if len(timed) >= 2 else None
 
