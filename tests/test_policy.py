@@ -628,7 +628,7 @@ def test_a_batch_size_of_plain_steps_borrows_the_costs_of_the_nearest_with_a_lin
     128.7 ms (a rise of noise: the plain step joins their line), acceptance 0.44. A row ends and
     15 rows' first plain step takes 70 ms. 16 rows' costs, scaled to it, price gamma 5 at 15 rows
     at 2.4 plain steps, and plain steps win there; priced along the gammas' own line (0.7 ms a
-    proposal) from the plain step, every gamma cost what it does and gamma 8 was chosen (gamma 4
+    proposal) from the plain step, every gamma cost about what it does and gamma 5 was chosen (gamma 4
     ran at 172 ms)."""
     policy = GammaPolicy(gamma_max=8)
     for gamma, seconds in [(0, 0.082), (1, 0.128), (2, 0.1287)]:

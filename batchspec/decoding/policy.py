@@ -280,10 +280,9 @@ class StepCosts:
         near = rows if rows in self.cells else min(self.cells, key=lambda b: (abs(math.log(b / rows)), b))
         timed, everything = self.current(near), self.cells[near]
         fitted = self.fit(near)
-        if fitted is None:
-            return self.borrowed(near, gamma_max)
-        return [timed[g] if g in timed else min(self.between(timed, g, fitted[1]), everything.get(g, math.inf))
-                for g in range(gamma_max + 1)]
+        guess = self.borrowed(near, gamma_max) if fitted is None else [
+            timed[g] if g in timed else self.between(timed, g, fitted[1]) for g in range(gamma_max + 1)]
+        return [timed[g] if g in timed else min(guess[g], everything.get(g, math.inf)) for g in range(gamma_max + 1)]
 
     def borrowed(self, rows: int, gamma_max: int) -> list[float]:
         """T(rows, g) where one gamma was timed (a batch size's first steps are plain): the costs
