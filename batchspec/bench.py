@@ -3,7 +3,8 @@ the hybrid of both) vs our autoregressive baseline vs transformers' generate (an
 generation and prompt lookup, which take one row at a time).
 
 Every method decodes the same prompts, greedy, in batches of each batch size, in one process:
-a warm-up batch first (not timed), then `repeats` passes over the batches, interleaved batch by
+a warm-up batch first (not timed), then `repeats` passes over the batches (more at a batch size
+of few batches, so that every method is timed in `min_runs` runs of a batch), interleaved batch by
 batch (every method decodes a batch before any decodes the next, every other time in reverse
 order), so that a machine whose speed drifts over minutes slows all methods alike; a cell's time
 is its batches' times, each batch's fastest run counting. Bare forwards, which price the ideal, take a turn
@@ -344,9 +345,13 @@ def copies(samples: int) -> str:
 
 def bench_size(pair, prompts, batch_size: int, drafters: list[str], gammas: list[int], base: DecodeConfig,
                ngram: tuple[int, int], repeats: int, with_options: bool, samples: int,
-               schema: RowOptions | None = None, tree_widths: tuple[int, ...] = ()) -> list[Cell]:
+               schema: RowOptions | None = None, tree_widths: tuple[int, ...] = (), min_runs: int = 1) -> list[Cell]:
     """Every method at one batch size: a warm-up batch each, then timed passes interleaved batch
-    by batch (counting target forwards and the memory each run held). Bare forwards are timed
+    by batch (counting target forwards and the memory each run held), `repeats` of them or as
+    many more as time every method in `min_runs` runs of a batch: a cell of one batch (the
+    largest batch size, by default) is otherwise the best of 2 runs, and one batch's runs moved
+    by 10-15 % on the 2-core test machine, where a cell of 16 batches sums its batches' swings
+    away. Bare forwards are timed
     among them, in the turn of COST_BATCHES batches a pass spread over it (of those as wide as
     the first): the ideal takes each cost's median, so that neither the VM's drift over a pass
     nor a stall while they ran moves it."""
@@ -354,6 +359,7 @@ def bench_size(pair, prompts, batch_size: int, drafters: list[str], gammas: list
     for cell in cells:
         decode(pair, cell, cell.prompts(prompts)[:batch_size])  # warm-up; auto measures its costs
     starts = range(0, len(prompts), batch_size)
+    passes = max(repeats, -(-min_runs // len(starts)))
     runs = {id(cell): [[] for _ in starts] for cell in cells}  # per cell, per batch: its timed Runs
     timings, width = [], min(batch_size, len(prompts))  # ForwardCosts timed on batches as wide as the first
     every = -(-len(starts) // COST_BATCHES)  # the batches apart they are timed on
@@ -366,7 +372,7 @@ def bench_size(pair, prompts, batch_size: int, drafters: list[str], gammas: list
 
     hook = pair.target.register_forward_pre_hook(count)
     try:
-        for cell, b in interleaved(cells + [None], len(starts), repeats):  # None: time bare forwards
+        for cell, b in interleaved(cells + [None], len(starts), passes):  # None: time bare forwards
             if cell is None:
                 batch = prompts[starts[b] : starts[b] + batch_size]
                 if b % every == 0 and len(batch) == width:
@@ -552,6 +558,14 @@ def verdicts(cells: list[Cell]) -> str:
     return "\n".join(lines)
 
 
+def best_of(cells: list[Cell]) -> str:
+    """How many runs each batch's time is the best of: "each batch the best of 2 runs (batch 8: 4)"."""
+    passes = {c.batch_size: len(c.times) for c in cells}  # batch size -> timed passes
+    usual = min(passes.values())
+    more = ", ".join(f"batch {size}: {n}" for size, n in passes.items() if n > usual)
+    return f"each batch the best of {usual} runs" + (f" ({more})" if more else "")
+
+
 def fmt(value: float | None) -> str:
     return "" if value is None else f"{value:.2f}"
 
@@ -571,12 +585,13 @@ def bench(*, target: str | None, draft: str | None, prompts: str, rows: int | No
           drafters: list[str], gammas: list[int], gamma_max: int, ngram_min: int, ngram_max: int,
           max_new_tokens: int, repeats: int, dtype: str, device: str, with_options: bool = False,
           samples: int = 1, out_dir: str | None = None, write_config: str | None = None,
-          json_schema: str | None = None, tree_widths: tuple[int, ...] = ()) -> str:
+          json_schema: str | None = None, tree_widths: tuple[int, ...] = (), min_runs: int = 1) -> str:
     """The markdown report of every method at every batch size on a model pair (default: the
     embedded one); out_dir: also results.csv, results.json and plots there; write_config: the
     fastest setting per batch size as --config files; json_schema: a JSON schema file, every row's
     output constrained by it in extra cells; tree_widths: the draft's trees of these widths beside
-    its chains."""
+    its chains; min_runs: each method's timed runs of a batch at every batch size, at least
+    (passes are added where a batch size has fewer batches)."""
     models = {"target": target, "draft": draft} if target is not None else {}  # for the config files
     if target is None:
         target, draft = default_target(), draft or default_draft()
@@ -593,7 +608,7 @@ def bench(*, target: str | None, draft: str | None, prompts: str, rows: int | No
                         **pair.forced_tokens)
     cells = [cell for size in batch_sizes
              for cell in bench_size(pair, token_ids, size, drafters, gammas, base, (ngram_min, ngram_max), repeats,
-                                    with_options, samples, schema, tree_widths)]
+                                    with_options, samples, schema, tree_widths, min_runs)]
     for cell in cells:
         cell.mismatches = mismatches(pair.target, cell.prompts(token_ids), cell.outputs, reference(cell, cells).outputs)
     written = []
@@ -603,7 +618,7 @@ def bench(*, target: str | None, draft: str | None, prompts: str, rows: int | No
         rows = result_rows(cells, jsd)
         about = {"target": target, "draft": draft, "device": str(pair.target.device), "dtype": str(pair.target.dtype),
                  "threads": torch.get_num_threads(), "prompts": len(token_ids), "max_new_tokens": max_new_tokens,
-                 "repeats": repeats, "greedy": True}
+                 "repeats": repeats, "min_runs": min_runs, "greedy": True}
         written += write_results(out_dir, rows, about) if out_dir else []
         settings = {**models, "dtype": dtype, "gamma_max": gamma_max}
         written += best_configs(write_config, rows, settings) if write_config else []
@@ -614,5 +629,5 @@ def bench(*, target: str | None, draft: str | None, prompts: str, rows: int | No
     drafted_by = f"draft  {draft if pair.draft is not None else '(none)'}; n-gram sizes {ngram_min}..{ngram_max}"
     return (f"target {target}\n{drafted_by}\n"
             f"{where}; {len(token_ids)} prompts, max_new_tokens {max_new_tokens}, "
-            f"greedy, each batch the best of {repeats} runs\n\n{table(cells)}\n\n{verdicts(cells)}{note}"
+            f"greedy, {best_of(cells)}\n\n{table(cells)}\n\n{verdicts(cells)}{note}"
             + "".join(f"\nwrote {path}" for path in written))

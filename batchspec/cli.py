@@ -269,6 +269,9 @@ def int_list(text: str, name: str) -> list[int]:
 @option("--max-new-tokens", type=click.IntRange(1), default=64, help="Most tokens generated per row.")
 @option("--repeats", type=click.IntRange(1), default=2,
         help="Timed passes, interleaved batch by batch; each batch's fastest run counts.")
+@option("--min-runs", type=click.IntRange(1), default=4,
+        help="Each method's timed runs of a batch at every batch size, at least: passes are added at a batch size "
+        "with fewer batches than that over --repeats (one batch's runs move by 10-15 % on a noisy machine).")
 @option("--with-options", is_flag=True, default=False,
         help="Also ar and spec auto with every logits processor (too weak to change a token) and 5 logprobs.")
 @option("--samples", type=click.IntRange(1, 128), default=1,

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from PIL import Image
 
 from batchspec import bench as bench_module
-from batchspec.bench import AUTO, Cell, ForwardCosts, PeakMemory, bench, geometric_alpha, ideal_speedup, interleaved, settle, Run
+from batchspec.bench import AUTO, Cell, ForwardCosts, PeakMemory, bench, best_of, geometric_alpha, ideal_speedup, interleaved, settle, Run
 from batchspec.decoding import DecodeConfig
 from batchspec.bench_files import COLUMNS
 from batchspec.cli import main
@@ -232,6 +232,19 @@ def test_bare_forwards_are_timed_among_the_passes_and_their_medians_priced(tiny_
     monkeypatch.setattr(bench_module, "COST_BATCHES", 2)  # 3 batches a pass: the first's turn and the third's
     bench_module.bench_size(pair, prompts, 2, ["model"], [1], base, (1, 3), repeats=1, with_options=False, samples=1)
     assert timed_on == [prompts[0:2]]  # the third batch holds one prompt
+
+
+def test_a_batch_size_of_few_batches_is_timed_in_more_passes(tiny_pair):
+    """Every method is timed in min_runs runs of a batch at each batch size: one batch a pass
+    takes min_runs passes, three batches a pass take `repeats` (1) alone; the header says so."""
+    target, draft = tiny_pair("llama")
+    pair = load_pair(str(target), str(draft), dtype="float32", device="cpu")
+    prompts, base = [[5, 6, 7], [9, 10, 11], [12, 13]], DecodeConfig(max_new_tokens=3, eos_token_ids=pair.eos_token_ids)
+    sizes = {size: bench_module.bench_size(pair, prompts, size, ["model"], [], base, (1, 3), repeats=1,
+                                           with_options=False, samples=1, min_runs=3) for size in (1, 3)}
+    assert {len(cell.times) for cell in sizes[1]} == {1} and {len(cell.times) for cell in sizes[3]} == {3}
+    assert best_of(sizes[1] + sizes[3]) == "each batch the best of 1 runs (batch 3: 3)"
+    assert best_of(sizes[1]) == "each batch the best of 1 runs"
 
 
 def test_jensen_shannon_bounds():
