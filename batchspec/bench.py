@@ -351,10 +351,9 @@ def bench_size(pair, prompts, batch_size: int, drafters: list[str], gammas: list
     many more as time every method in `min_runs` runs of a batch: a cell of one batch (the
     largest batch size, by default) is otherwise the best of 2 runs, and one batch's runs moved
     by 10-15 % on the 2-core test machine, where a cell of 16 batches sums its batches' swings
-    away. Bare forwards are timed
-    among them, in the turn of COST_BATCHES batches a pass spread over it (of those as wide as
-    the first): the ideal takes each cost's median, so that neither the VM's drift over a pass
-    nor a stall while they ran moves it."""
+    away. Bare forwards are timed among them, in the turn of COST_BATCHES batches a pass spread
+    over it (of those as wide as the first): the ideal takes each cost's median, so that neither
+    the VM's drift over a pass nor a stall while they ran moves it."""
     cells = methods(pair, batch_size, drafters, gammas, base, ngram, with_options, samples, schema, tree_widths)
     for cell in cells:
         decode(pair, cell, cell.prompts(prompts)[:batch_size])  # warm-up; auto measures its costs

@@ -281,7 +281,7 @@ class StepCosts:
         timed, everything = self.current(near), self.cells[near]
         fitted = self.fit(near)
         guess = self.borrowed(near, gamma_max) if fitted is None else [
-            timed[g] if g in timed else self.between(timed, g, fitted[1]) for g in range(gamma_max + 1)]
+            self.between(timed, g, fitted[1]) for g in range(gamma_max + 1)]  # the timed ones are overridden below
         return [timed[g] if g in timed else min(guess[g], everything.get(g, math.inf)) for g in range(gamma_max + 1)]
 
     def borrowed(self, rows: int, gamma_max: int) -> list[float]:
