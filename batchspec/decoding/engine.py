@@ -44,7 +44,7 @@ from batchspec.decoding.drafters.proposal import on_device
 from batchspec.decoding.grammar import GrammarRows
 from batchspec.decoding.kv_cache import BatchKV, padded
 from batchspec.decoding.options import RowOptions
-from batchspec.decoding.policy import Expected, GammaPolicy, expected_tokens, row_alpha, row_seen
+from batchspec.decoding.policy import Expected, GammaPolicy, expected_tokens, row_alphas, row_seen
 from batchspec.decoding.processors import Processors
 from batchspec.decoding.sampling import SamplingParams, accept_greedy, accept_sampled, probabilities
 from batchspec.decoding.seq2seq import decoder_prefix, model_cache
@@ -544,16 +544,16 @@ class BatchDecoder:
         chain, each at its own alpha (updated with this step's n of `lengths` proposals, none
         after a tree) and remaining limit; on the host, from the step's sync. Also sets
         self.left, those remaining limits summed."""
-        alphas, remaining = [], []
+        seen, remaining = [], []
         for tally, k, proposed, done in zip(self.tallies, n, lengths, finished):
             if tally is None:  # inert
                 continue
             tally.seen = row_seen(tally.seen, int(k) if proposed else 0, proposed)  # after a tree: the fading only
             if not done:
-                alphas.append(row_alpha(*tally.seen, self.policy.alpha))
+                seen.append(tally.seen)
                 remaining.append(tally.limit - len(tally.tokens))
         self.left = sum(remaining)
-        return expected_tokens(alphas, remaining, self.policy.gamma_max)
+        return expected_tokens(row_alphas(seen, self.policy.alpha), remaining, self.policy.gamma_max)
 
     def evict(self, finished: torch.Tensor, ended: list[bool], stopped_host: list[float], gamma: int) -> None:
         """Move the rows that ended this step (ended: host bools) into results, and out of the
