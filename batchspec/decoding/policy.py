@@ -232,8 +232,8 @@ def row_alphas(seen: list[tuple[float, float]], prior: float) -> list[float]:
         spread = sum((rate - mean) ** 2 for rate, _ in rates) / (len(rates) - 1)
         noise = sum(prior * (1 - prior) / ((1 + ROW_DECAY) * checked) for _, checked in rates) / len(rates)
         between = spread - noise  # the true alphas' variance
-        weight = ROWS_ALIKE_WEIGHT if between <= 0 else min(max(prior * (1 - prior) / between - 1, PRIOR_WEIGHT),
-                                                             ROWS_ALIKE_WEIGHT)
+        weight = prior * (1 - prior) / between - 1 if between > 0 else math.inf
+        weight = min(max(weight, PRIOR_WEIGHT), ROWS_ALIKE_WEIGHT)
     return [row_alpha(accepted, checked, prior, weight) for accepted, checked in seen]
 
 
