@@ -163,11 +163,22 @@ class ForwardCosts:
 
     @classmethod
     def median(cls, samples: list["ForwardCosts"]) -> "ForwardCosts":
-        """Each cost's median over samples timed at different moments of the passes."""
-        def medians(columns):
-            return [statistics.median(column) for column in zip(*columns)]
-        return cls(medians(s.target for s in samples), medians(s.step for s in samples),
-                   tuple(medians(s.prefill for s in samples)))
+        """Each cost's median over samples timed at different moments of the passes, taken
+        relative to its own sample's plain forward (target[0]), times that forward's median.
+        The machine's speed moves between samples, and medians taken apart would set one
+        sample's step against another's plain forward (traced on the embedded pair in bfloat16
+        at batch 1, over 8 samples: gamma 1's step over a plain forward spread with sd 0.12 so,
+        0.04 paired; a bench read it 0.96, under the cost of the target's own forward in it)."""
+        plain = statistics.median(s.target[0] for s in samples)
+
+        def medians(columns):  # per sample: its costs over its own plain forward
+            return [plain * statistics.median(column) for column in zip(*columns)]
+
+        def relative(costs, sample):
+            return [cost / sample.target[0] for cost in costs]
+
+        return cls(medians(relative(s.target, s) for s in samples), medians(relative(s.step, s) for s in samples),
+                   tuple(medians(relative(s.prefill, s) for s in samples)))
 
     def ideal(self, alpha: float, gamma: int, tokens: float, drafts: bool = True) -> float:
         """Speed-up over ar of a batch whose rows generate `tokens` each, if every step cost its

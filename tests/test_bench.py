@@ -192,7 +192,7 @@ def test_bare_forwards_are_timed_among_the_passes_and_their_medians_priced(tiny_
     """Bare forwards are timed once a pass on the batches as wide as the first, between the
     methods' runs of them (5 prompts at batch 2: the batches of 2, not the last of 1), on
     COST_BATCHES of them a pass at most, and the ideal prices each cost's median: a sample timed
-    in a stall (the third) moves nothing."""
+    in a stall (the third) moves nothing (ForwardCosts.median: below)."""
     target, draft = tiny_pair("llama")
     pair = load_pair(str(target), str(draft), dtype="float32", device="cpu")
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13], [14, 15, 16], [17, 18]]
@@ -222,8 +222,8 @@ def test_bare_forwards_are_timed_among_the_passes_and_their_medians_priced(tiny_
     timed = order[len(cells):]  # after the warm-ups: 3 batches a pass, each every method's and the costs' turn
     assert len(timed) == 2 * 3 * len(cells) + 4 and timed.count("costs") == 4
     assert timed[: len(cells) + 1].count("costs") == 1  # the first batch's turn
-    assert ForwardCosts.median([first, second, stalled]) == ForwardCosts([1.2, 2.0], [3.0], (4.0, 2.0))
-    median = ForwardCosts([1.1, 2.1], [3.2], (4.5, 1.75))  # of the four: each the mean of its middle two
+    median = ForwardCosts.median([first, second, stalled, last])
+    assert median.step[0] / median.target[0] == pytest.approx(3.0)  # of 2.33, 3.0, 3.0 and 4.25 a plain forward
     for cell in cells:
         if cell.policy is not None:
             assert cell.ideal == pytest.approx(ideal_speedup(cell, cells, median))
@@ -232,6 +232,18 @@ def test_bare_forwards_are_timed_among_the_passes_and_their_medians_priced(tiny_
     monkeypatch.setattr(bench_module, "COST_BATCHES", 2)  # 3 batches a pass: the first's turn and the third's
     bench_module.bench_size(pair, prompts, 2, ["model"], [1], base, (1, 3), repeats=1, with_options=False, samples=1)
     assert timed_on == [prompts[0:2]]  # the third batch holds one prompt
+
+
+def test_each_cost_is_priced_against_its_own_samples_plain_forward():
+    """A step costs 1.1 plain forwards. The second sample ran in a phase twice as slow, the
+    third's plain forward in a stall: medians taken apart read a step at 0.55 plain forwards, the
+    medians of each sample's costs over its own plain forward 1.1, in seconds at the median
+    plain forward (2.0); the stalled sample moves nothing."""
+    samples = [ForwardCosts([1.0, 1.05], [1.1], (4.0, 0.5)), ForwardCosts([2.0, 2.1], [2.2], (8.0, 1.0)),
+               ForwardCosts([2.0, 1.05], [1.1], (4.0, 0.5))]
+    median = ForwardCosts.median(samples)
+    assert (median.target, median.step, median.prefill) == (pytest.approx([2.0, 2.1]), pytest.approx([2.2]),
+                                                            pytest.approx((8.0, 1.0)))
 
 
 def test_a_batch_size_of_few_batches_is_timed_in_more_passes(tiny_pair):
