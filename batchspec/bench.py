@@ -167,8 +167,9 @@ class ForwardCosts:
         relative to its own sample's plain forward (target[0]), times that forward's median.
         The machine's speed moves between samples, and medians taken apart would set one
         sample's step against another's plain forward (traced on the embedded pair in bfloat16
-        at batch 1, over 8 samples: gamma 1's step over a plain forward spread with sd 0.12 so,
-        0.04 paired; a bench read it 0.96, under the cost of the target's own forward in it)."""
+        at batch 1: gamma 1's step over a plain forward, estimated from 8 samples, had an sd of
+        0.12 taken apart and 0.04 paired; a bench read it at 0.96, under the target's forward
+        that the step holds)."""
         plain = statistics.median(s.target[0] for s in samples)
 
         def medians(columns):  # per sample: its costs over its own plain forward

@@ -191,8 +191,8 @@ def test_autos_ideal_takes_the_alpha_most_proposals_measured():
 def test_bare_forwards_are_timed_among_the_passes_and_their_medians_priced(tiny_pair, monkeypatch):
     """Bare forwards are timed once a pass on the batches as wide as the first, between the
     methods' runs of them (5 prompts at batch 2: the batches of 2, not the last of 1), on
-    COST_BATCHES of them a pass at most, and the ideal prices each cost's median: a sample timed
-    in a stall (the third) moves nothing (ForwardCosts.median: below)."""
+    COST_BATCHES of them a pass at most, and the ideal prices the costs' medians over those
+    samples (ForwardCosts.median: below)."""
     target, draft = tiny_pair("llama")
     pair = load_pair(str(target), str(draft), dtype="float32", device="cpu")
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13], [14, 15, 16], [17, 18]]
