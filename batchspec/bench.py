@@ -172,14 +172,11 @@ class ForwardCosts:
         that the step holds)."""
         plain = statistics.median(s.target[0] for s in samples)
 
-        def medians(columns):  # per sample: its costs over its own plain forward
-            return [plain * statistics.median(column) for column in zip(*columns)]
+        def medians(costs):  # costs(sample) -> its seconds; each taken over that sample's plain forward
+            relative = ([cost / s.target[0] for cost in costs(s)] for s in samples)
+            return [plain * statistics.median(column) for column in zip(*relative)]
 
-        def relative(costs, sample):
-            return [cost / sample.target[0] for cost in costs]
-
-        return cls(medians(relative(s.target, s) for s in samples), medians(relative(s.step, s) for s in samples),
-                   tuple(medians(relative(s.prefill, s) for s in samples)))
+        return cls(medians(lambda s: s.target), medians(lambda s: s.step), tuple(medians(lambda s: s.prefill)))
 
     def ideal(self, alpha: float, gamma: int, tokens: float, drafts: bool = True) -> float:
         """Speed-up over ar of a batch whose rows generate `tokens` each, if every step cost its
