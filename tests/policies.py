@@ -13,7 +13,7 @@ class Scripted(GammaPolicy):
         super().__init__(gamma_max, trees=trees)
         self.gammas, self.steps = gammas, 0
 
-    def choose(self, rows: int, expected, behind: int = 0, left: float = math.inf) -> int:
+    def choose(self, rows: int, expected, behind: int = 0, left: float = math.inf, context: int = 0) -> int:
         """The script's next gamma; `tree` is left as the test set it."""
         self.steps += 1
         return self.gammas[(self.steps - 1) % len(self.gammas)]

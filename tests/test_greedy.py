@@ -395,13 +395,29 @@ def test_a_step_over_a_batch_of_new_shape_is_not_timed(case):
     timings = []
 
     class Recording(Scripted):
-        def observe(self, rows, gamma, accepted, checked, seconds, behind=0, tree=False):
+        def observe(self, rows, gamma, accepted, checked, seconds, behind=0, tree=False, context=0):
             timings.append((rows, seconds))
 
     decode(pair, None, prompts, None, Recording([0], 8))
     rows = [r for r, _ in timings]
     untimed = [k for k, (_, seconds) in enumerate(timings) if seconds is None]
     assert untimed == [0] + [k for k in range(1, len(rows)) if rows[k] != rows[k - 1]] and len(untimed) > 2
+
+
+def test_the_policy_is_told_the_slots_of_the_cache_each_step_runs_over(case):
+    """observe gets the target cache's length before the step: the prompts' padded length at
+    the first two (the first step's token is the prefill's), then one slot more a plain step
+    (rows that end stay, inert: the cache is not compacted)."""
+    family, pair, prompts, expected = case
+    told = []
+
+    class Recording(Idling):
+        def observe(self, rows, gamma, accepted, checked, seconds, behind=0, tree=False, context=0):
+            told.append(context)
+
+    decode(pair, None, prompts, None, Recording([0], 8))
+    longest = max(len(p) for p in prompts)
+    assert told == [longest] + list(range(longest, longest + len(told) - 1)) and len(told) > 2
 
 
 def test_rows_that_ended_leave_where_their_positions_would_pass_the_context(tiny_pair):

@@ -454,7 +454,8 @@ class BatchDecoder:
         B = len(self.tallies)  # live rows and inert ones
         known, self.first_logits = self.first_logits, None  # the prefill's: the first step is plain
         behind = drafter.behind if drafter else 0
-        chosen = self.policy.choose(B, self.expected, behind, self.left) if drafter and known is None else 0
+        context = target_kv.length  # the slots the step's queries attend over, less its own
+        chosen = self.policy.choose(B, self.expected, behind, self.left, context) if drafter and known is None else 0
         if chosen and self.trees and self.policy.tree:
             proposal = drafter.propose_tree(rows.last, chosen)
         elif chosen:
@@ -517,7 +518,7 @@ class BatchDecoder:
         seconds = time.perf_counter() - started if B == self.last_rows else None
         self.last_rows = B
         if chosen or not gamma:  # a plain step's jump-forward tells the policy nothing of its choices
-            self.policy.observe(B, gamma, int(sum(n_host)), int(checked_host), seconds, behind, tree)
+            self.policy.observe(B, gamma, int(sum(n_host)), int(checked_host), seconds, behind, tree, context)
         if drafter:
             if gamma:
                 target_kv.rollback(n + 1, gamma + 1, max_n + 1)

@@ -57,6 +57,20 @@ per second; gamma 0 is a plain target step, the draft sits out.
   while the plain step cost over STALE (2) times what it costs now is priced at no more than
   that estimate, until timed again (StepCosts.current): timed on a slower machine, its cost would
   keep it out for good, where plain steps win and no probe can afford it.
+- A step costs more the longer the caches its queries attend over, and a batch's caches grow
+  by a slot or more every step: measured on the paying pair at 16 rows in bfloat16 (jobs/
+  context_cost.py), the target's forward over one token a row took 31-45 ms over 50 slots and
+  10-15 ms more over 115, over three tokens 8-12 ms more: about the same time, not the same
+  share (a step reads the cache once a layer). Cells timed at different points of a batch
+  were priced apart by that: the plain cost timed at a batch's start beside gamma's late in
+  it, or the other way, and whichever was timed late looked dearer. So each timing is taken
+  to empty caches, less per_slot * B * L with L the slots (the engine's target cache, a host
+  number), and estimates are priced over the step's own caches; per_slot is the
+  least-squares slope of seconds per row over L within each cell (StepCosts.learn).
+  Simulated with rows of 256 tokens at 8 rows, plain steps 91 ms over the prompts' 50 slots
+  and 173 over 306, at an acceptance where gamma 1 loses 8 % over short caches: auto ran at
+  0.975x plain steps blind to the caches, 1.006x priced over them (tests/test_policy.py); at
+  64 tokens, alike.
 - Speculation is chosen only when it promises MARGIN more work per second than a plain step:
   the costs are noisy timings, and the best of noisy estimates is the one most likely
   underestimated (the optimizer's curse), so a gain promised within the noise is more often a
@@ -157,6 +171,7 @@ TRIAL = 16  # proposals a run checks before its alpha may stop speculation (twic
 STALE = 2.0  # a gamma timed while a plain step cost this many times what it costs now is priced anew
 MARGIN = 0.03  # the least gain in expected work per second over a plain step that speculation needs
 PRIOR_FIXED_SHARE = 0.5  # the share of a plain step that does not grow with its rows, before it was measured
+CONTEXT_PRIOR = 2000.0  # slots^2 of spread within cells: the weight of a cost per slot of 0 (StepCosts.learn)
 
 
 class Expected(NamedTuple):
@@ -238,12 +253,13 @@ def row_alphas(seen: list[tuple[float, float]], prior: float) -> list[float]:
 
 
 class StepCosts:
-    """Seconds per step by (live rows B, gamma): moving averages of timed steps, and estimates
-    for cells not timed yet. A cell not timed in RETIME_GAP timings starts again from the new
-    one; a plain step's second timing since then replaces the first if lower (it confirms a
-    cost that turned the choice to speculation: see GammaPolicy.choose). A timing over HOLD
-    above its cell's estimate is held: it counts only if the cell's next timing is over that
-    too (the lesser of the two counts then), and is dropped if not."""
+    """Seconds per step by (live rows B, gamma) over empty caches: moving averages of timed
+    steps, each less extra(B, the slots its cache held), and estimates for cells not timed
+    yet. A cell not timed in RETIME_GAP timings starts again from the new one; a plain step's
+    second timing since then replaces the first if lower (it confirms a cost that turned the
+    choice to speculation: see GammaPolicy.choose). A timing over HOLD above its cell's estimate
+    is held: it counts only if the cell's next timing is over that too (the lesser of the two
+    counts then), and is dropped if not."""
 
     def __init__(self, weight: float = 0.2):
         self.weight = weight
@@ -255,8 +271,43 @@ class StepCosts:
         self.sums: dict[tuple[int, int], tuple[float, int]] = {}  # (B, gamma) -> the run's seconds summed, steps
         self.held: dict[tuple[int, int], float] = {}  # (B, gamma) -> its last timing, held: HOLD over the estimate
         self.plain_then: dict[tuple[int, int], float] = {}  # (B, gamma > 0) -> the plain estimate when it was timed
+        self.per_slot = 0.0  # seconds a step costs per row and slot of its cache
+        self.timed_over: dict[tuple[int, int], float] = {}  # (B, gamma) -> the slots its estimate was timed over
+        self.spread = [0.0, 0.0]  # summed over the cells: (slots - mean)^2, (slots - mean) * seconds per row
+        self.means: dict[tuple[int, int], tuple[int, float, float]] = {}  # (B, gamma) -> timings, mean slots, s/row
 
-    def add(self, rows: int, gamma: int, seconds: float) -> None:
+    def extra(self, rows: int, context: int) -> float:
+        """What a step over `rows` rows' caches of `context` slots costs over one over empty ones."""
+        return self.per_slot * rows * context
+
+    @staticmethod
+    def less(seconds: float, extra: float) -> float:
+        """seconds less extra, never under a tenth of them (a cost per slot read from noisy
+        timings takes no estimate to nothing)."""
+        return max(seconds - extra, seconds / 10)
+
+    def learn(self, rows: int, gamma: int, seconds: float, context: int) -> None:
+        """per_slot from a timing: the least-squares slope of seconds per row over the slots, each
+        cell's timings about their own means (cells differ in cost, not in what reading the cache
+        adds: a step reads it once a layer, however many tokens it verifies; measured on the
+        paying pair at 16 rows in bfloat16, over 115 slots against 50, a forward over one token a
+        row took 10-15 ms more, over three 8-12 ms), with CONTEXT_PRIOR of spread at slope 0 (a
+        batch's steps of one cell spread over some 20000). The cells' estimates move to the new
+        slope (Welford's updates: one cell's sums change)."""
+        n, mean_x, mean_y = self.means.get((rows, gamma), (0, 0.0, 0.0))
+        x, y = float(context), seconds / rows
+        dx, n = x - mean_x, n + 1
+        mean_x, mean_y = mean_x + dx / n, mean_y + (y - mean_y) / n
+        self.means[rows, gamma] = (n, mean_x, mean_y)
+        self.spread = [self.spread[0] + dx * (x - mean_x), self.spread[1] + dx * (y - mean_y)]
+        per_slot = max(self.spread[1] / (self.spread[0] + CONTEXT_PRIOR), 0.0)
+        for (b, g), slots in self.timed_over.items():
+            self.cells[b][g] = self.less(self.cells[b][g], (per_slot - self.per_slot) * b * slots)
+        self.per_slot = per_slot
+
+    def add(self, rows: int, gamma: int, seconds: float, context: int = 0) -> None:
+        """A step's timing at `rows` rows and `gamma`, its caches `context` slots long."""
+        raw, seconds = seconds, self.less(seconds, self.extra(rows, context))
         old = self.cells.get(rows, {}).get(gamma)
         if old is not None and seconds > (1 + HOLD) * old:
             if (rows, gamma) not in self.held:
@@ -274,6 +325,8 @@ class StepCosts:
         else:
             new = old + self.weight * (seconds - old)
         self.cells.setdefault(rows, {})[gamma] = new
+        slots = self.timed_over.get((rows, gamma), context)
+        self.timed_over[rows, gamma] = context if restarts else slots + self.weight * (context - slots)
         if gamma and 0 in self.cells[rows]:
             self.plain_then[rows, gamma] = self.cells[rows][0]
         if gamma == 0:
@@ -282,6 +335,7 @@ class StepCosts:
         self.timed_at[rows, gamma] = self.timings
         total, steps = self.sums.get((rows, gamma), (0.0, 0))
         self.sums[rows, gamma] = (total + seconds, steps + 1)
+        self.learn(rows, gamma, raw, context)
 
     def unconfirmed(self, rows: int, seconds: float) -> float:
         """The plain estimate at `rows` that its one timing since its cell (re)started replaced,
@@ -448,12 +502,14 @@ class GammaPolicy:
         prior = min(TREE_LIFT * self.alpha, 1 - 1e-3)
         return (self.tree_accepted + PRIOR_WEIGHT * prior) / (self.tree_checked + PRIOR_WEIGHT)
 
-    def tree_arm(self, rows: int, costs: list[float]) -> tuple[list[float], list[float]]:
-        """A tree's yield over a chain's and its seconds per depth 0..gamma_max (the chains'
-        costs where no tree was timed yet)."""
+    def tree_arm(self, rows: int, costs: list[float], context: int) -> tuple[list[float], list[float]]:
+        """A tree's yield over a chain's and its seconds per depth 0..gamma_max over a cache of
+        `context` slots (the chains' costs where no tree was timed yet)."""
         lift = [chain_tokens(self.tree_alpha, g) / chain_tokens(self.alpha, g) for g in range(len(costs))]
-        tree_costs = self.tree_costs.estimates(rows, self.gamma_max) if self.tree_costs.cells else costs
-        return lift, tree_costs
+        if not self.tree_costs.cells:
+            return lift, costs
+        extra = self.tree_costs.extra(rows, context)
+        return lift, [seconds + extra for seconds in self.tree_costs.estimates(rows, self.gamma_max)]
 
     def work(self, rows: int, expected: Expected, plain: float) -> list[float]:
         """[G+1]: a step's expected work in seconds of plain steps. A plain step costs
@@ -464,11 +520,12 @@ class GammaPolicy:
         d = (plain - c) / rows
         return [c * critical + d * tokens for tokens, critical in zip(expected.tokens, expected.critical)]
 
-    def choose(self, rows: int, expected: Expected | None, behind: int = 0, left: float = math.inf) -> int:
+    def choose(self, rows: int, expected: Expected | None, behind: int = 0, left: float = math.inf,
+               context: int = 0) -> int:
         """The next step's gamma for `rows` live rows. expected: what a step yields per gamma
         (None: as many rows alike at the run's alpha); behind: the tokens the draft must read
-        before it can propose; left: the tokens the rows may still generate, summed (host
-        numbers)."""
+        before it can propose; left: the tokens the rows may still generate, summed; context:
+        the slots of the target's cache (host numbers)."""
         if self.fixed is not None:
             return self.fixed
         if self.probing:  # the probe's own step read what the draft skipped, and was not timed as its gamma
@@ -477,11 +534,15 @@ class GammaPolicy:
         costs = self.costs.estimates(rows, self.gamma_max)
         if costs is None:
             return 0  # time a plain step first
+        extra = self.costs.extra(rows, context)
+        costs = [seconds + extra for seconds in costs]  # over this step's caches
         if expected is None:
             per_row = [chain_tokens(self.alpha, g) for g in range(self.gamma_max + 1)]
             expected = Expected([rows * e for e in per_row], per_row)
         work = self.work(rows, expected, costs[0])
-        arms = [(False, [1.0] * len(costs), costs)] + ([(True, *self.tree_arm(rows, costs))] if self.trees else [])
+        arms = [(False, [1.0] * len(costs), costs)]
+        if self.trees:
+            arms.append((True, *self.tree_arm(rows, costs, context)))
         catch_up = (self.catch_up or 0.0) * rows * behind if behind > 1 else 0.0  # seconds: what the draft reads first
         choices = []
         for tree, lift, seconds in arms:
@@ -493,7 +554,7 @@ class GammaPolicy:
         if best.rate < (1 + MARGIN) * choices[0].rate:  # choices[0]: the plain step
             best = choices[0]
         self.tree = best.tree
-        if best.gamma and best.rate * self.costs.unconfirmed(rows, costs[0]) < 1 + MARGIN:
+        if best.gamma and best.rate * self.costs.unconfirmed(rows, costs[0] - extra) < 1 + MARGIN:
             self.tree = False  # one new timing of the plain step alone turned the choice: time it again
             return 0
         if not best.gamma and self.run_checked < TRIAL:  # too few proposals checked to judge the draft
@@ -552,11 +613,11 @@ class GammaPolicy:
         return fastest if timed[fastest] < (1 - KEEP_MARGIN) * own else live
 
     def observe(self, rows: int, gamma: int, accepted: int, checked: int, seconds: float | None,
-                behind: int = 0, tree: bool = False) -> None:
+                behind: int = 0, tree: bool = False, context: int = 0) -> None:
         """A step's outcome: proposals accepted and checked (all rows; a tree's: along the
-        accepted paths), its seconds (None: not timed) and the tokens the draft read first
+        accepted paths), its seconds (None: not timed), the tokens the draft read first
         (behind > 1: a catch-up, which costs what it took over the next step when that takes the
-        same gamma at as many rows)."""
+        same gamma at as many rows) and the slots of the target's cache it ran over."""
         if tree:
             self.tree_accepted = RUN_DECAY * self.tree_accepted + accepted
             self.tree_checked = RUN_DECAY * self.tree_checked + checked
@@ -571,7 +632,7 @@ class GammaPolicy:
         if gamma and behind > 1:  # priced against the next step, if it takes the same gamma at as many rows
             self.caught = (rows, gamma, tree, seconds, behind)
             return
-        (self.tree_costs if tree else self.costs).add(rows, gamma, seconds)
+        (self.tree_costs if tree else self.costs).add(rows, gamma, seconds, context)
         if self.caught and self.caught[:3] == (rows, gamma, tree):
             caught_seconds, caught_behind = self.caught[3:]
             per_token = max(caught_seconds - seconds, 0.0) / (rows * caught_behind)

@@ -1,0 +1,66 @@
+"""How a decode step's cost grows with the cache it attends over: the target's forward over W new
+tokens a row for B rows, after a cache of L slots, for a few L (the median of its timings). The
+gamma policy takes each step's timing to empty caches by the growth it measures (see "Choosing
+γ" in the README); this shows that growth on your model and machine.
+
+    python jobs/context_cost.py TARGET [--dtype bfloat16] [--device auto] [--rows 16]
+                                [--widths 1,3] [--slots 50,115,160] [--repeats 9]
+"""
+import argparse
+import statistics
+import time
+
+import torch
+from transformers import DynamicCache
+
+from batchspec.decoding.kv_cache import cache_keyword
+from batchspec.models import load_pair
+
+
+def forward_seconds(model, rows: int, slots: list[int], width: int, repeats: int) -> list[float]:
+    """The median seconds, per cache length in `slots`, of the forward over `width` new tokens a
+    row after that many cached ones; the lengths take turns, so that the machine's slower
+    moments fall on all of them (each cache cut back after its forward; the first round not
+    counted: it warms up)."""
+    vocab, device, key = model.config.vocab_size, model.device, cache_keyword(model)
+    caches = [DynamicCache(config=model.config) for _ in slots]
+    seconds = [[] for _ in slots]
+    with torch.inference_mode():
+        for length, cache in zip(slots, caches):
+            model(torch.randint(0, vocab, (rows, length), device=device), **{key: cache}, use_cache=True)
+        for _ in range(repeats + 1):
+            for length, cache, timings in zip(slots, caches, seconds):
+                ids = torch.randint(0, vocab, (rows, width), device=device)
+                positions = torch.arange(length, length + width, device=device).expand(rows, width)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                started = time.perf_counter()
+                model(ids, **{key: cache}, position_ids=positions, use_cache=True)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                timings.append(time.perf_counter() - started)
+                cache.crop(-width)  # a negative count drops that many slots
+    return [statistics.median(timings[1:]) for timings in seconds]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("target")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument("--widths", default="1,3", help="new tokens a row: 1 is a plain step, gamma + 1 a verify")
+    parser.add_argument("--slots", default="50,115,160")
+    parser.add_argument("--repeats", type=int, default=9)
+    args = parser.parse_args()
+    model = load_pair(args.target, dtype=args.dtype, device=args.device).target
+    slots = [int(s) for s in args.slots.split(",")]
+    print(f"{args.rows} rows, {model.dtype}, {model.device}: ms per forward over a cache of L slots")
+    print("width | " + " | ".join(f"L {s}" for s in slots) + f" | L {slots[-1]} over L {slots[0]}")
+    for width in (int(w) for w in args.widths.split(",")):
+        ms = [1000 * seconds for seconds in forward_seconds(model, args.rows, slots, width, args.repeats)]
+        print(f"{width} | " + " | ".join(f"{m:.1f}" for m in ms) + f" | {ms[-1] / ms[0]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
