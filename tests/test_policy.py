@@ -744,7 +744,7 @@ def test_a_timing_far_over_its_estimate_counts_only_if_the_next_one_is_too():
 def test_rows_that_ended_stay_only_where_more_rows_were_timed_faster():
     """batch_rows: a batch whose live rows fell from 8 to 6 goes on with 6 rows, unless steps of
     that gamma ran faster with 7 or 8 (by KEEP_MARGIN, on the run's means of KEEP_EVIDENCE
-    steps or more): then with the fastest of those."""
+    steps or more, each with what its rows' caches add): then with the fastest of those."""
     policy = GammaPolicy(gamma_max=4)
 
     def timed(rows, seconds, steps=KEEP_EVIDENCE):
@@ -765,3 +765,5 @@ def test_rows_that_ended_stay_only_where_more_rows_were_timed_faster():
     timed(7, 0.060, 6 * KEEP_EVIDENCE)  # the run's mean at 7 rows: 0.0614, 12 % under 6 rows'
     assert policy.batch_rows(6, 8, 0) == 7
     assert policy.batch_rows(6, 8, 2) == 6  # gamma 2 was never timed
+    policy.costs.per_slot = 1e-5  # an inert row's cache is read too: over 200 slots, 2 ms a row
+    assert policy.batch_rows(6, 8, 0, context=200) == 6 and policy.batch_rows(6, 8, 0, context=20) == 7

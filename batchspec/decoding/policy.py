@@ -598,17 +598,20 @@ class GammaPolicy:
         self.since_retime, self.credit, self.tree = 0, 0.0, oldest.tree
         return oldest.gamma
 
-    def batch_rows(self, live: int, rows: int, gamma: int) -> int:
+    def batch_rows(self, live: int, rows: int, gamma: int, context: int = 0) -> int:
         """How many rows a batch of `rows` should go on with once its live rows fell to `live`:
         live (the rows that ended leave), or more, up to `rows` (that many stay, inert), where
         chain steps of this gamma ran faster with more rows, by KEEP_MARGIN at least, on the
         run's means (the moving averages that price gammas follow the last few steps, too few
-        where a batch size lasts a few steps of each batch). live while steps at live rows were
-        timed fewer than KEEP_EVIDENCE times: they are timed then."""
+        where a batch size lasts a few steps of each batch), each over caches of `context` slots
+        (an inert row's cache is read too). live while steps at live rows were timed fewer than
+        KEEP_EVIDENCE times: they are timed then."""
         own = self.costs.mean(live, gamma)
-        timed = {b: t for b in range(live + 1, rows + 1) if (t := self.costs.mean(b, gamma)) is not None}  # B -> s
+        timed = {b: t + self.costs.extra(b, context) for b in range(live + 1, rows + 1)
+                 if (t := self.costs.mean(b, gamma)) is not None}  # B -> seconds
         if own is None or not timed:
             return live
+        own += self.costs.extra(live, context)
         fastest = min(timed, key=timed.get)
         return fastest if timed[fastest] < (1 - KEEP_MARGIN) * own else live
 
