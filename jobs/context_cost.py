@@ -8,11 +8,11 @@ gamma policy takes each step's timing to empty caches by the growth it measures 
 """
 import argparse
 import statistics
-import time
 
 import torch
 from transformers import DynamicCache
 
+from batchspec.bench import timed
 from batchspec.decoding.kv_cache import cache_keyword
 from batchspec.models import load_pair
 
@@ -32,13 +32,7 @@ def forward_seconds(model, rows: int, slots: list[int], width: int, repeats: int
             for length, cache, timings in zip(slots, caches, seconds):
                 ids = torch.randint(0, vocab, (rows, width), device=device)
                 positions = torch.arange(length, length + width, device=device).expand(rows, width)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                started = time.perf_counter()
-                model(ids, **{key: cache}, position_ids=positions, use_cache=True)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                timings.append(time.perf_counter() - started)
+                timings.append(timed(lambda: model(ids, **{key: cache}, position_ids=positions, use_cache=True))[0])
                 cache.crop(-width)  # a negative count drops that many slots
     return [statistics.median(timings[1:]) for timings in seconds]
 

@@ -569,8 +569,8 @@ class BatchDecoder:
         live = [b for b, tally in enumerate(self.tallies) if tally]
         if not live:
             return
-        size = self.policy.batch_rows(len(live), len(self.tallies), gamma, self.target_kv.length) if self.may_idle() \
-            else len(live)
+        may_idle, slots = self.may_idle(), self.target_kv.length
+        size = self.policy.batch_rows(len(live), len(self.tallies), gamma, slots) if may_idle else len(live)
         if size > len(live):  # rows that stay accept and add nothing from here on
             self.rows.limit = torch.where(finished, self.rows.produced, self.rows.limit)
         if size < len(self.tallies):
