@@ -18,7 +18,7 @@ class Scripted(GammaPolicy):
         self.steps += 1
         return self.gammas[(self.steps - 1) % len(self.gammas)]
 
-    def batch_rows(self, live: int, rows: int, gamma: int, context: int = 0) -> int:
+    def batch_rows(self, live: int, rows: int, gamma: int) -> int:
         """Rows that end leave the batch, whatever the steps' timings say (Idling: they stay)."""
         return live
 
@@ -31,5 +31,5 @@ class Idling(Scripted):
         super().__init__(gammas, gamma_max)
         self.keep = keep
 
-    def batch_rows(self, live: int, rows: int, gamma: int, context: int = 0) -> int:
+    def batch_rows(self, live: int, rows: int, gamma: int) -> int:
         return rows if self.keep is None else min(rows, live + self.keep)

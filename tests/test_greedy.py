@@ -167,9 +167,10 @@ def test_a_row_without_a_match_counts_as_a_rejected_proposal(case):
         seen = [row.seen for row in rows]
         decoder.step()
         if len(proposals) > proposed and proposals[-1].width:  # proposals verified (the first step: the prefill's)
-            for row, (accepted, checked), k in zip(rows, seen, proposals[-1].lengths):
+            for row, (accepted, checked, squares), k in zip(rows, seen, proposals[-1].lengths):
                 if k == 0:
-                    assert row.seen == pytest.approx((accepted * ROW_DECAY, checked * ROW_DECAY + 1))
+                    faded = (accepted * ROW_DECAY, checked * ROW_DECAY + 1, squares * ROW_DECAY**2 + 1)
+                    assert row.seen == pytest.approx(faded)
                     misses += 1
     assert misses > 0 and [r.token_ids for r in decoder.output().rows] == expected
 

@@ -156,7 +156,7 @@ class Tally:
     sources: dict[str, int] = field(default_factory=lambda: {"model": 0, "ngram": 0, "jump": 0})  # steps each proposed
     proposed_steps: list[int] = field(default_factory=list)  # per step: proposals (0: a plain step)
     accepted_steps: list[int] = field(default_factory=list)  # per step: proposals accepted
-    seen: tuple[float, float] = (0.0, 0.0)  # decayed accepted and checked proposals: the row's alpha (auto)
+    seen: tuple[float, float, float] = (0.0, 0.0, 0.0)  # decayed accepted, checked, squares: its alpha (row_seen)
     tree_steps: int = 0  # speculative steps whose proposal was a tree
     tree_nodes: int = 0  # the trees' nodes, summed
     branches: list[int] = field(init=False)  # tree steps per rank in its depth of the accepted path's end
@@ -569,8 +569,7 @@ class BatchDecoder:
         live = [b for b, tally in enumerate(self.tallies) if tally]
         if not live:
             return
-        may_idle, slots = self.may_idle(), self.target_kv.length
-        size = self.policy.batch_rows(len(live), len(self.tallies), gamma, slots) if may_idle else len(live)
+        size = self.policy.batch_rows(len(live), len(self.tallies), gamma) if self.may_idle() else len(live)
         if size > len(live):  # rows that stay accept and add nothing from here on
             self.rows.limit = torch.where(finished, self.rows.produced, self.rows.limit)
         if size < len(self.tallies):

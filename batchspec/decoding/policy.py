@@ -22,27 +22,35 @@ per second; gamma 0 is a plain target step, the draft sits out.
   and the batch waits for the last of its rows (traced on a paying pair at 16 rows in float32:
   priced at the mean, auto speculated on 41 % of its row-steps and ran at 0.91x ar, where every
   fixed gamma lost; with the lag, 0.97x, plain steps).
-- alpha: per row, its own checked proposals (older ones fading) shrunk towards the run's alpha,
-  so that rows that copy their prompt and rows that do not are told apart. The slowest row's
-  estimate prices the batch's length, and the least of B noisy estimates is biased low: the
-  run's alpha weighs as many proposals as the rows' rates say (empirical Bayes, row_alphas),
-  PRIOR_WEIGHT where they spread widely, up to ROWS_ALIKE_WEIGHT where they spread no more than
-  their noise (traced on a paying pair in bfloat16 at 8 rows: the critical row's alpha 0.62
-  against the run's 0.77, and auto took plain steps where fixed gamma 3 ran 1.1x ar;
-  simulated with exact step costs, 0.96x the best fixed gamma, with rows pooled 0.98x, and as
-  before where rows differ). Evidence fades with every step, plain ones included: a row's towards
-  the run's alpha, the run's (more slowly) towards the higher of PRIOR_ALPHA and the alpha of
-  all the run's proposals (none faded), which keeps PRIOR_WEIGHT proposals' worth in it. alpha
-  is only measured while speculating, so speculation stops on a low estimate and, were the
-  evidence kept, would stay stopped on it: the last estimate before plain steps is the low tail
-  of its noise, not the pair's acceptance (simulated at batch 1 with an acceptance where gamma 1
-  gains 10 %: auto stopped on estimates of 0.20-0.26 against the true 0.32 and forwent most of
-  the gain). Fading, the estimate drifts back over a break-even it fell under by chance and
-  speculation is tried again; a draft that is useless drifts back there only after hundreds of
-  plain steps and falls again at once, for under 1 % of the run's time (tests/test_policy.py).
-  Towards PRIOR_ALPHA alone, a pair whose break-even is over it (a paying pair at batch 1: 0.65)
-  drifted under it and stayed there, the probes' few proposals aside: the run's own alpha holds
-  it over.
+- alpha: per row, its own checked proposals (older ones fading) shrunk towards the run's alpha, so
+  that rows that copy their prompt and rows that do not are told apart. The slowest row's estimate
+  prices the batch's length, and the least of B noisy estimates is biased low: the run's alpha
+  weighs as many proposals as the rows' rates say (empirical Bayes, row_alphas), PRIOR_WEIGHT
+  where they spread widely, all of a row's estimate where their spread is within what their noise
+  spreads by chance (ALIKE_LEVEL): rows alike are priced at the run's alpha (traced on a paying
+  pair in bfloat16 at 8 rows: the critical row's alpha 0.62 against the run's 0.77, and auto took
+  plain steps where fixed gamma 3 ran 1.1x ar; simulated with exact step costs, 0.96x the best
+  fixed gamma, with rows pooled 0.98x, and as before where rows differ). A row's noise is taken
+  over its proposals' effective count, the older ones weighing less (Kish's: checked^2 over the
+  sum of squared weights): early in a batch its few steps weigh alike, and counted as faded ones
+  (twice the proposals) the noise read half its size, the spread of rows alike passed for a
+  difference, and a row that missed once priced the batch (traced on the paying pair in bfloat16
+  at 8 rows, the rows' rates alike: gamma 2's critical yield fell from 2.17 to 1.81 tokens after a
+  step that accepted 7 of 13, and auto took plain steps on 72 % of its row-steps, at 0.89x fixed
+  gamma 2; simulated with costs from that trace, 40 seeds, rows alike: 1.096x ar, 1.086x with
+  weights up to 64 over the faded count, 1.169x at fixed gamma 2; rows at 0.70-0.85: 1.091x,
+  1.071x, 1.147x). Evidence fades with every step, plain ones included: a row's towards the run's
+  alpha, the run's (more slowly) towards the higher of PRIOR_ALPHA and the alpha of all the run's
+  proposals (none faded), which keeps PRIOR_WEIGHT proposals' worth in it. alpha is only measured
+  while speculating, so speculation stops on a low estimate and, were the evidence kept, would
+  stay stopped on it: the last estimate before plain steps is the low tail of its noise, not the
+  pair's acceptance (simulated at batch 1 with an acceptance where gamma 1 gains 10 %: auto
+  stopped on estimates of 0.20-0.26 against the true 0.32 and forwent most of the gain). Fading,
+  the estimate drifts back over a break-even it fell under by chance and speculation is tried
+  again; a draft that is useless drifts back there only after hundreds of plain steps and falls
+  again at once, for under 1 % of the run's time (tests/test_policy.py). Towards PRIOR_ALPHA
+  alone, a pair whose break-even is over it (a paying pair at batch 1: 0.65) drifted under it and
+  stayed there, the probes' few proposals aside: the run's own alpha holds it over.
 - A run checks TRIAL proposals before its alpha may stop speculation. The first steps are the
   least known: gammas' first timings run new shapes (traced on a paying pair at batch 1: 1.3-1.6x
   their later cost), and a handful of proposals weigh little against the prior's (4 of 5
@@ -58,19 +66,20 @@ per second; gamma 0 is a plain target step, the draft sits out.
   that estimate, until timed again (StepCosts.current): timed on a slower machine, its cost would
   keep it out for good, where plain steps win and no probe can afford it.
 - A step costs more the longer the caches its queries attend over, and a batch's caches grow
-  by a slot or more every step: measured on the paying pair at 16 rows in bfloat16 (jobs/
-  context_cost.py), the target's forward over one token a row took 31-45 ms over 50 slots and
-  10-15 ms more over 115, over three tokens 8-12 ms more: about the same time, not the same
-  share (a step reads the cache once a layer). Cells timed at different points of a batch
-  were priced apart by that: the plain cost timed at a batch's start beside gamma's late in
-  it, or the other way, and whichever was timed late looked dearer. So each timing is taken
-  to empty caches, less per_slot * B * L with L the slots (the engine's target cache, a host
-  number), and estimates are priced over the step's own caches; per_slot is the
-  least-squares slope of seconds per row over L within each cell (StepCosts.learn).
-  Simulated with rows of 256 tokens at 8 rows, plain steps 91 ms over the prompts' 50 slots
-  and 173 over 306, at an acceptance where gamma 1 loses 8 % over short caches: auto ran at
-  0.975x plain steps blind to the caches, 1.006x priced over them (tests/test_policy.py); at
-  64 tokens, alike.
+  by a slot or more every step. Cells timed at different points of a batch were priced apart
+  by that: the plain cost timed at a batch's start beside gamma's late in it, or the other
+  way, and whichever was timed late looked dearer. So each timing is taken to empty caches,
+  over exp(growth * L) with L the slots (the engine's target cache, a host number), and
+  estimates are priced over the step's own caches; growth is the least-squares slope of log
+  seconds over L within each cell (StepCosts.learn). A share, not a time: in the engine, on
+  the paying pair at 8 rows in bfloat16, over 40 to 120 slots, plain steps took 22.5 to 23.7
+  ms, gamma 1 33.1 to 34.7 and gamma 2 43.9 to 46.2, each 5 % more (a speculative step's
+  draft forwards read their own growing cache too). Priced as a time per row and slot, learned
+  from the speculative steps that made most timings, a plain step over a batch's first caches
+  was priced at 17.8 ms where it took 23.4, and auto took plain steps through most of that
+  batch where fixed gamma 2 ran 1.15x ar. Simulated with rows of 256 tokens at 8 rows, each
+  step 1.5 % dearer per 10 slots, acceptance 0.8: auto ran at 1.064x plain steps blind to the
+  caches, 1.099x priced over them (tests/test_policy.py).
 - Speculation is chosen only when it promises MARGIN more work per second than a plain step:
   the costs are noisy timings, and the best of noisy estimates is the one most likely
   underestimated (the optimizer's curse), so a gain promised within the noise is more often a
@@ -152,7 +161,7 @@ from typing import NamedTuple
 
 PRIOR_ALPHA = 0.5  # the run's alpha before any proposal was checked
 PRIOR_WEIGHT = 8.0  # proposals' worth of the run's alpha in a row's estimate, of PRIOR_ALPHA or its own in the run's
-ROWS_ALIKE_WEIGHT = 64.0  # the most proposals' worth of the run's alpha in a row's estimate: rows alike
+ALIKE_LEVEL = 0.99  # rows whose rates spread under this quantile of what noise alone spreads them by are alike
 ROW_DECAY = 0.95  # per step: acceptance changes along a completion
 RUN_DECAY = 0.98  # per speculative step
 PLAIN_DECAY = 0.995  # per plain step, towards PRIOR_ALPHA or the run's own: see alpha above
@@ -171,7 +180,7 @@ TRIAL = 16  # proposals a run checks before its alpha may stop speculation (twic
 STALE = 2.0  # a gamma timed while a plain step cost this many times what it costs now is priced anew
 MARGIN = 0.03  # the least gain in expected work per second over a plain step that speculation needs
 PRIOR_FIXED_SHARE = 0.5  # the share of a plain step that does not grow with its rows, before it was measured
-CONTEXT_PRIOR = 2000.0  # slots^2 of spread within cells: the weight of a cost per slot of 0 (StepCosts.learn)
+CONTEXT_PRIOR = 2000.0  # slots^2 of spread within cells: the weight of a growth of 0 (StepCosts.learn)
 
 
 class Expected(NamedTuple):
@@ -221,10 +230,15 @@ def tail_share(longest: int, mean: float, variance: float, rows: int) -> float:
     return longest / (longest + lag)
 
 
-def row_seen(seen: tuple[float, float], accepted: int, proposed: int) -> tuple[float, float]:
-    """A row's decayed (accepted, checked) proposals after a step in which it had `accepted` of
-    `proposed` accepted (0 proposed: a plain step, the old evidence only fades)."""
-    return seen[0] * ROW_DECAY + accepted, seen[1] * ROW_DECAY + min(accepted + 1, proposed)
+def row_seen(seen: tuple[float, float, float], accepted: int, proposed: int) -> tuple[float, float, float]:
+    """A row's decayed (accepted, checked, squares) proposals after a step in which it had
+    `accepted` of `proposed` accepted (0 proposed: a plain step, the old evidence only fades);
+    squares: the checked proposals each counted by its weight squared (checked^2 / squares is
+    their effective count)."""
+    accepted_before, checked_before, squares = seen
+    checked = min(accepted + 1, proposed)
+    return (accepted_before * ROW_DECAY + accepted, checked_before * ROW_DECAY + checked,
+            squares * ROW_DECAY**2 + checked)
 
 
 def row_alpha(accepted: float, checked: float, prior: float, weight: float = PRIOR_WEIGHT) -> float:
@@ -233,28 +247,38 @@ def row_alpha(accepted: float, checked: float, prior: float, weight: float = PRI
     return (accepted + weight * prior) / (checked + weight)
 
 
-def row_alphas(seen: list[tuple[float, float]], prior: float) -> list[float]:
-    """The rows' alphas from their decayed (accepted, checked) proposals, each shrunk towards the
-    run's alpha `prior` by the same weight (empirical Bayes): the rows' true alphas spread by
-    what their rates spread beyond the binomial noise of their proposals, prior (1 - prior) / n
-    with n = (1 + ROW_DECAY) * checked, the effective count of proposals faded by ROW_DECAY a
-    step; a spread v among true alphas weighs the prior as prior (1 - prior) / v - 1 proposals
-    (a beta distribution's), within PRIOR_WEIGHT..ROWS_ALIKE_WEIGHT."""
-    rates = [(accepted / checked, checked) for accepted, checked in seen if checked > 0]
+def row_alphas(seen: list[tuple[float, float, float]], prior: float) -> list[float]:
+    """The rows' alphas from their decayed (accepted, checked, squares) proposals, each shrunk
+    towards the run's alpha `prior` by the same weight (empirical Bayes). Were the rows alike,
+    a row's rate would vary about prior by prior (1 - prior) / n, n = checked^2 / squares its
+    proposals' effective count, and the rates' spread s^2 over B rows would be that noise times
+    a chi-square of B - 1 degrees of freedom over B - 1: under its ALIKE_LEVEL quantile, the rows
+    are taken as alike and priced at prior. Over it, the true alphas spread by v = s^2 - noise,
+    which weighs prior as prior (1 - prior) / v - 1 proposals (a beta distribution's),
+    PRIOR_WEIGHT at least."""
+    rates = [(accepted / checked, checked**2 / squares) for accepted, checked, squares in seen if checked > 0]
     weight = PRIOR_WEIGHT
     if len(rates) >= 2:
+        free = len(rates) - 1  # degrees of freedom
         mean = sum(rate for rate, _ in rates) / len(rates)
-        spread = sum((rate - mean) ** 2 for rate, _ in rates) / (len(rates) - 1)
-        noise = sum(prior * (1 - prior) / ((1 + ROW_DECAY) * checked) for _, checked in rates) / len(rates)
-        between = spread - noise  # the true alphas' variance
-        weight = prior * (1 - prior) / between - 1 if between > 0 else math.inf
-        weight = min(max(weight, PRIOR_WEIGHT), ROWS_ALIKE_WEIGHT)
-    return [row_alpha(accepted, checked, prior, weight) for accepted, checked in seen]
+        spread = sum((rate - mean) ** 2 for rate, _ in rates) / free
+        noise = sum(prior * (1 - prior) / n for _, n in rates) / len(rates)
+        if spread <= noise * chi_square_quantile(free, ALIKE_LEVEL) / free:
+            return [prior] * len(seen)
+        weight = max(prior * (1 - prior) / (spread - noise) - 1, PRIOR_WEIGHT)
+    return [row_alpha(accepted, checked, prior, weight) for accepted, checked, _ in seen]
+
+
+def chi_square_quantile(free: int, level: float) -> float:
+    """The chi-square distribution's quantile at `level` with `free` degrees of freedom (Wilson
+    and Hilferty's cube of a normal: within 1 % of it at the 0.99 level)."""
+    scale = 2 / (9 * free)
+    return free * (1 - scale + NormalDist().inv_cdf(level) * math.sqrt(scale)) ** 3
 
 
 class StepCosts:
     """Seconds per step by (live rows B, gamma) over empty caches: moving averages of timed
-    steps, each less extra(B, the slots its cache held), and estimates for cells not timed
+    steps, each over scale(the slots its cache held), and estimates for cells not timed
     yet. A cell not timed in RETIME_GAP timings starts again from the new one; a plain step's
     second timing since then replaces the first if lower (it confirms a cost that turned the
     choice to speculation: see GammaPolicy.choose). A timing over HOLD above its cell's estimate
@@ -271,43 +295,37 @@ class StepCosts:
         self.sums: dict[tuple[int, int], tuple[float, int]] = {}  # (B, gamma) -> the run's seconds summed, steps
         self.held: dict[tuple[int, int], float] = {}  # (B, gamma) -> its last timing, held: HOLD over the estimate
         self.plain_then: dict[tuple[int, int], float] = {}  # (B, gamma > 0) -> the plain estimate when it was timed
-        self.per_slot = 0.0  # seconds a step costs per row and slot of its cache
+        self.growth = 0.0  # how much a step's log seconds grow a slot of its cache
         self.timed_over: dict[tuple[int, int], float] = {}  # (B, gamma) -> the slots its estimate was timed over
-        self.spread = [0.0, 0.0]  # summed over the cells: (slots - mean)^2, (slots - mean) * seconds per row
-        self.means: dict[tuple[int, int], tuple[int, float, float]] = {}  # (B, gamma) -> timings, mean slots, s/row
+        self.spread = [0.0, 0.0]  # summed over the cells: (slots - mean)^2, (slots - mean) * log seconds
+        self.means: dict[tuple[int, int], tuple[int, float, float]] = {}  # (B, gamma) -> timings, mean slots, log s
 
-    def extra(self, rows: int, context: int) -> float:
-        """What a step over `rows` rows' caches of `context` slots costs over one over empty ones."""
-        return self.per_slot * rows * context
-
-    @staticmethod
-    def less(seconds: float, extra: float) -> float:
-        """seconds less extra, never under a tenth of them (a cost per slot read from noisy
-        timings takes no estimate to nothing)."""
-        return max(seconds - extra, seconds / 10)
+    def scale(self, context: int) -> float:
+        """What a step over caches of `context` slots costs over one over empty ones: a factor."""
+        return math.exp(self.growth * context)
 
     def learn(self, rows: int, gamma: int, seconds: float, context: int) -> None:
-        """per_slot from a timing: the least-squares slope of seconds per row over the slots, each
-        cell's timings about their own means (cells differ in cost, not in what reading the cache
-        adds: a step reads it once a layer, however many tokens it verifies; measured on the
-        paying pair at 16 rows in bfloat16, over 115 slots against 50, a forward over one token a
-        row took 10-15 ms more, over three 8-12 ms), with CONTEXT_PRIOR of spread at slope 0 (a
-        batch's steps of one cell spread over some 20000). The cells' estimates move to the new
-        slope (Welford's updates: one cell's sums change)."""
+        """growth from a timing: the least-squares slope of log seconds over the slots, each
+        cell's timings about their own means (cells differ in cost; each grows by about the same
+        share: measured in the engine on the paying pair at 8 rows in bfloat16, over 40 to 120
+        slots, plain steps 22.5 to 23.7 ms, gamma 1 33.1 to 34.7, gamma 2 43.9 to 46.2, each 5 %),
+        with CONTEXT_PRIOR of spread at slope 0 (a batch's steps of one cell spread over some
+        20000). The cells' estimates move to the new slope (Welford's updates: one cell's sums
+        change)."""
         n, mean_x, mean_y = self.means.get((rows, gamma), (0, 0.0, 0.0))
-        x, y = float(context), seconds / rows
+        x, y = float(context), math.log(seconds)
         dx, n = x - mean_x, n + 1
         mean_x, mean_y = mean_x + dx / n, mean_y + (y - mean_y) / n
         self.means[rows, gamma] = (n, mean_x, mean_y)
         self.spread = [self.spread[0] + dx * (x - mean_x), self.spread[1] + dx * (y - mean_y)]
-        per_slot = max(self.spread[1] / (self.spread[0] + CONTEXT_PRIOR), 0.0)
+        growth = max(self.spread[1] / (self.spread[0] + CONTEXT_PRIOR), 0.0)
         for (b, g), slots in self.timed_over.items():
-            self.cells[b][g] = self.less(self.cells[b][g], (per_slot - self.per_slot) * b * slots)
-        self.per_slot = per_slot
+            self.cells[b][g] *= math.exp((self.growth - growth) * slots)
+        self.growth = growth
 
     def add(self, rows: int, gamma: int, seconds: float, context: int = 0) -> None:
         """A step's timing at `rows` rows and `gamma`, its caches `context` slots long."""
-        raw, seconds = seconds, self.less(seconds, self.extra(rows, context))
+        raw, seconds = seconds, seconds / self.scale(context)
         old = self.cells.get(rows, {}).get(gamma)
         if old is not None and seconds > (1 + HOLD) * old:
             if (rows, gamma) not in self.held:
@@ -508,8 +526,8 @@ class GammaPolicy:
         lift = [chain_tokens(self.tree_alpha, g) / chain_tokens(self.alpha, g) for g in range(len(costs))]
         if not self.tree_costs.cells:
             return lift, costs
-        extra = self.tree_costs.extra(rows, context)
-        return lift, [seconds + extra for seconds in self.tree_costs.estimates(rows, self.gamma_max)]
+        scale = self.tree_costs.scale(context)
+        return lift, [seconds * scale for seconds in self.tree_costs.estimates(rows, self.gamma_max)]
 
     def work(self, rows: int, expected: Expected, plain: float) -> list[float]:
         """[G+1]: a step's expected work in seconds of plain steps. A plain step costs
@@ -531,11 +549,10 @@ class GammaPolicy:
         if self.probing:  # the probe's own step read what the draft skipped, and was not timed as its gamma
             (gamma, self.tree), self.probing = self.probing, None
             return gamma
-        costs = self.costs.estimates(rows, self.gamma_max)
-        if costs is None:
+        empty = self.costs.estimates(rows, self.gamma_max)  # over empty caches
+        if empty is None:
             return 0  # time a plain step first
-        extra = self.costs.extra(rows, context)
-        costs = [seconds + extra for seconds in costs]  # over this step's caches
+        costs = [seconds * self.costs.scale(context) for seconds in empty]  # over this step's caches
         if expected is None:
             per_row = [chain_tokens(self.alpha, g) for g in range(self.gamma_max + 1)]
             expected = Expected([rows * e for e in per_row], per_row)
@@ -554,7 +571,7 @@ class GammaPolicy:
         if best.rate < (1 + MARGIN) * choices[0].rate:  # choices[0]: the plain step
             best = choices[0]
         self.tree = best.tree
-        if best.gamma and best.rate * self.costs.unconfirmed(rows, costs[0] - extra) < 1 + MARGIN:
+        if best.gamma and best.rate * self.costs.unconfirmed(rows, empty[0]) < 1 + MARGIN:
             self.tree = False  # one new timing of the plain step alone turned the choice: time it again
             return 0
         if not best.gamma and self.run_checked < TRIAL:  # too few proposals checked to judge the draft
@@ -598,20 +615,18 @@ class GammaPolicy:
         self.since_retime, self.credit, self.tree = 0, 0.0, oldest.tree
         return oldest.gamma
 
-    def batch_rows(self, live: int, rows: int, gamma: int, context: int = 0) -> int:
+    def batch_rows(self, live: int, rows: int, gamma: int) -> int:
         """How many rows a batch of `rows` should go on with once its live rows fell to `live`:
         live (the rows that ended leave), or more, up to `rows` (that many stay, inert), where
         chain steps of this gamma ran faster with more rows, by KEEP_MARGIN at least, on the
-        run's means (the moving averages that price gammas follow the last few steps, too few
-        where a batch size lasts a few steps of each batch), each over caches of `context` slots
-        (an inert row's cache is read too). live while steps at live rows were timed fewer than
-        KEEP_EVIDENCE times: they are timed then."""
+        run's means over empty caches (the moving averages that price gammas follow the last few
+        steps, too few where a batch size lasts a few steps of each batch; over the batch's
+        caches, each grows by the same factor). live while steps at live rows were timed fewer
+        than KEEP_EVIDENCE times: they are timed then."""
         own = self.costs.mean(live, gamma)
-        timed = {b: t + self.costs.extra(b, context) for b in range(live + 1, rows + 1)
-                 if (t := self.costs.mean(b, gamma)) is not None}  # B -> seconds
+        timed = {b: t for b in range(live + 1, rows + 1) if (t := self.costs.mean(b, gamma)) is not None}  # B -> s
         if own is None or not timed:
             return live
-        own += self.costs.extra(live, context)
         fastest = min(timed, key=timed.get)
         return fastest if timed[fastest] < (1 - KEEP_MARGIN) * own else live
 
