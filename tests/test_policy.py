@@ -672,6 +672,18 @@ def test_step_costs_are_taken_over_empty_caches_by_the_growth_the_timings_show()
     assert policy.choose(4, None, context=0) == policy.choose(4, None, context=1000) == 0
 
 
+def test_growth_is_read_within_each_batch():
+    """Batches differ beyond their caches (their prompts' pads, the machine's phase): a cell
+    timed over 50-145 slots in one batch and over 100-195, 1.2x slower, in the next reads the
+    growth within each batch (a new one where the caches shrink), not the 1.2x between them."""
+    growth, costs = 0.001, StepCosts()
+    for start, factor in ((50, 1.0), (100, 1.2)):
+        for slots in range(start, start + 100, 5):
+            costs.add(4, 1, factor * math.exp(growth * slots), slots)
+    spread = 2 * sum((x - 97.5) ** 2 for x in range(50, 150, 5))  # each batch's slots about their mean
+    assert costs.batch == 1 and costs.growth == pytest.approx(growth * spread / (spread + policy_module.CONTEXT_PRIOR))
+
+
 @pytest.mark.parametrize("learns", [True, False])
 def test_a_step_is_priced_over_the_caches_it_runs_over(learns, monkeypatch):
     """Steps cost more as a batch's caches grow, each by about the same share (measured in the

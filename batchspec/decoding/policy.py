@@ -298,7 +298,9 @@ class StepCosts:
         self.growth = 0.0  # how much a step's log seconds grow a slot of its cache
         self.timed_over: dict[tuple[int, int], float] = {}  # (B, gamma) -> the slots its estimate was timed over
         self.spread = [0.0, 0.0]  # summed over the cells: (slots - mean)^2, (slots - mean) * log seconds
-        self.means: dict[tuple[int, int], tuple[int, float, float]] = {}  # (B, gamma) -> timings, mean slots, log s
+        self.means: dict[tuple[int, int], tuple[int, int, float, float]] = {}  # (B, gamma) -> batch, timings,
+        # mean slots, mean log seconds: within the batch
+        self.batch, self.slots = 0, 0  # the batch timed last (counted by the caches shrinking), its caches' slots
 
     def scale(self, context: int) -> float:
         """What a step over caches of `context` slots costs over one over empty ones: a factor."""
@@ -306,17 +308,25 @@ class StepCosts:
 
     def learn(self, rows: int, gamma: int, seconds: float, context: int) -> None:
         """growth from a timing: the least-squares slope of log seconds over the slots, each
-        cell's timings about their own means (cells differ in cost; each grows by about the same
-        share: measured in the engine on the paying pair at 8 rows in bfloat16, over 40 to 120
-        slots, plain steps 22.5 to 23.7 ms, gamma 1 33.1 to 34.7, gamma 2 43.9 to 46.2, each 5 %),
-        with CONTEXT_PRIOR of spread at slope 0 (a batch's steps of one cell spread over some
-        20000). The cells' estimates move to the new slope (Welford's updates: one cell's sums
-        change)."""
-        n, mean_x, mean_y = self.means.get((rows, gamma), (0, 0.0, 0.0))
+        cell's timings within a batch about their own means (cells differ in cost; each grows by
+        about the same share: measured in the engine on the paying pair at 8 rows in bfloat16,
+        over 40 to 120 slots, plain steps 22.5 to 23.7 ms, gamma 1 33.1 to 34.7, gamma 2 43.9 to
+        46.2, each 5 %; batches differ too, in their prompts' pads and the machine's phase:
+        traced on the embedded pair in bfloat16, ar's plain steps at 6 rows, a batch's last
+        steps, read a slope of 0.0081 a slot across two batches of 45- and 90-slot prompts, its
+        8-row steps 0.0001, and auto, priced by 0.006, took gamma 6 at 6 rows where gamma 1 lost;
+        within each batch, ar's cells read no growth), with CONTEXT_PRIOR of spread at slope 0 (a
+        batch's steps of one cell spread over some 20000). A batch starts where the caches are
+        shorter than the last timing's (a compaction within one starts anew too). The cells'
+        estimates move to the new slope (Welford's updates: one cell's sums change)."""
+        self.batch, self.slots = self.batch + (context < self.slots), context
+        batch, n, mean_x, mean_y = self.means.get((rows, gamma), (self.batch, 0, 0.0, 0.0))
+        if batch != self.batch:
+            n, mean_x, mean_y = 0, 0.0, 0.0
         x, y = float(context), math.log(seconds)
         dx, n = x - mean_x, n + 1
         mean_x, mean_y = mean_x + dx / n, mean_y + (y - mean_y) / n
-        self.means[rows, gamma] = (n, mean_x, mean_y)
+        self.means[rows, gamma] = (self.batch, n, mean_x, mean_y)
         self.spread = [self.spread[0] + dx * (x - mean_x), self.spread[1] + dx * (y - mean_y)]
         growth = max(self.spread[1] / (self.spread[0] + CONTEXT_PRIOR), 0.0)
         for (b, g), slots in self.timed_over.items():
