@@ -155,6 +155,7 @@ per second; gamma 0 is a plain target step, the draft sits out.
   trees are tried early and kept only if they pay.
 """
 
+import functools
 import math
 from statistics import NormalDist
 from typing import NamedTuple
@@ -269,6 +270,7 @@ def row_alphas(seen: list[tuple[float, float, float]], prior: float) -> list[flo
     return [row_alpha(accepted, checked, prior, weight) for accepted, checked, _ in seen]
 
 
+@functools.cache
 def chi_square_quantile(free: int, level: float) -> float:
     """The chi-square distribution's quantile at `level` with `free` degrees of freedom (Wilson
     and Hilferty's cube of a normal: within 1 % of it at the 0.99 level)."""
@@ -298,8 +300,8 @@ class StepCosts:
         self.growth = 0.0  # how much a step's log seconds grow a slot of its cache
         self.timed_over: dict[tuple[int, int], float] = {}  # (B, gamma) -> the slots its estimate was timed over
         self.spread = [0.0, 0.0]  # summed over the cells: (slots - mean)^2, (slots - mean) * log seconds
-        self.means: dict[tuple[int, int], tuple[int, int, float, float]] = {}  # (B, gamma) -> batch, timings,
-        # mean slots, mean log seconds: within the batch
+        # (B, gamma) -> the batch, and within it the timings, their mean slots and mean log seconds
+        self.means: dict[tuple[int, int], tuple[int, int, float, float]] = {}
         self.batch, self.slots = 0, 0  # the batch timed last (counted by the caches shrinking), its caches' slots
 
     def scale(self, context: int) -> float:
