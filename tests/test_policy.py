@@ -1,5 +1,6 @@
 """The gamma policy alone: synthetic acceptance and step costs, no models, no clocks."""
 
+import itertools
 import math
 import random
 
@@ -7,8 +8,8 @@ import pytest
 
 from batchspec.decoding import policy as policy_module
 from batchspec.decoding.policy import (HOLD, KEEP_EVIDENCE, MARGIN, PRIOR_ALPHA, PROBE_LAST, RETIME_GAP, ROW_DECAY,
-                                       GammaPolicy, StepCosts, chain_tokens, expected_tokens, line, row_alpha,
-                                       row_alphas, row_seen, tail_share)
+                                       GammaPolicy, StepCosts, chain_tokens, expected_tokens, line, lone_critical,
+                                       row_alpha, row_alphas, row_seen, tail_share)
 
 ROWS = 4
 PROMPT_SLOTS = 50  # the cache's slots at a batch's start in decode_batches
@@ -527,6 +528,49 @@ def test_a_probe_waits_longer_while_the_draft_must_first_catch_up():
     # step catches up, and one more is timed as its gamma
     assert plain_steps_before_a_probe(0) == pytest.approx(50, abs=2)
     assert plain_steps_before_a_probe(100) == pytest.approx(500, abs=2)
+
+
+def test_a_lone_step_shortens_the_batch_by_what_every_row_near_its_end_accepts():
+    """A lone step among plain ones (a probe) brings a static batch's end nearer only as far as
+    the rows that may hold the longest remainder after it all accept: exactly, by enumerating
+    every row's yield; a row alone gains its whole expected yield."""
+    for g in range(4):
+        assert lone_critical([0.33], [100], 3)[g] == pytest.approx(chain_tokens(0.33, g))
+    assert lone_critical([1.0, 0.0], [100, 50], 2) == pytest.approx([1, 2, 3])  # the longest accepts all
+    assert lone_critical([1.0, 0.0], [100, 100], 2) == pytest.approx([1, 1, 1])  # a tie with one that accepts none
+    assert lone_critical([0.5], [2], 3) == pytest.approx([1, 1.5, 1.5, 1.5])  # 2 tokens left at most
+    alphas, remaining, gamma_max = [0.3, 0.6, 0.9], [10, 9, 10], 3
+
+    def chances(alpha: float, left: int, gamma: int) -> dict[int, float]:  # a row's yield -> its probability
+        most = min(gamma + 1, left)
+        return {y: alpha ** (y - 1) * (1 - alpha if y < most else 1) for y in range(1, most + 1)}
+
+    for gamma in range(gamma_max + 1):
+        exact = 0.0
+        for yields in itertools.product(*(chances(a, left, gamma).items() for a, left in zip(alphas, remaining))):
+            after = max((left - y for (y, _), left in zip(yields, remaining) if left > y), default=0)
+            exact += math.prod(p for _, p in yields) * (max(remaining) - after)
+        assert lone_critical(alphas, remaining, gamma_max)[gamma] == pytest.approx(exact)
+    rows = expected_tokens([0.33] * 8, [64] * 8, 1)
+    assert rows.lone[1] == pytest.approx(1 + 0.33**8)  # 8 rows tied at the longest: all must accept
+    assert rows.critical[1] > 1.2  # where every step speculates, the slowest row gains too
+
+
+@pytest.mark.parametrize("rows, steps", [(1, 30), (ROWS, 40)])
+def test_a_probe_is_priced_as_a_lone_step_among_plain_ones(rows, steps):
+    """Acceptance 0.2, gamma 1 at 1.5 plain steps, half of a step's cost fixed: speculating on
+    every step, rows alike yield 1.2 tokens each and shorten the batch by 1.2, work worth 1.2
+    plain steps, a loss of 0.3 a step (a probe after 30 plain steps, at 1 %). A probe is one
+    such step among plain ones: at one row it shortens the batch by the row's whole yield, but
+    among 4 rows tied at the longest remainder by 1 + 0.2^4 tokens, the fixed half's work
+    forgone (a loss of 0.4: a probe after 40). On the embedded pair in bfloat16 at 8 rows, a
+    probe's two steps of gamma 1 cost its batch 95-113 ms of 3.9 s (20 runs against plain steps
+    alone), priced at 28 ms as a step among speculating ones, at 46 ms as a lone one."""
+    policy = GammaPolicy(gamma_max=1)
+    for g in (0, 1):
+        policy.costs.add(rows, g, 1.0 + 0.5 * g)
+    measured(policy, 0.2)
+    assert next(step for step in range(1, 5000) if policy.choose(rows, None)) == steps
 
 
 @pytest.mark.parametrize("slower", [1.0, 2.0])

@@ -89,7 +89,13 @@ per second; gamma 0 is a plain target step, the draft sits out.
 - While gamma 0 wins, a probe step with the best gamma > 0 comes after 16 plain steps, then
   after 32, 64, ... 512, and never before the time its estimated loss (what it costs over the
   work it should do) is 1% of the plain steps between probes: a pair that started badly
-  can still switch speculation on later, at a bounded price. A probe after plain steps is the
+  can still switch speculation on later, at a bounded price. A probe's work is a lone step's
+  among plain ones: it brings a static batch's end nearer only as far as every row that may
+  hold the longest remainder after it accepts (lone_critical; 8 rows tied at alpha 0.33:
+  1.0001 tokens, where steps that all speculate shorten it by 1.24). Priced as one of those,
+  a probe at 8 rows on the embedded pair in bfloat16 (plain steps 54 ms, gamma 1 74.5, the
+  draft 60 tokens behind) was priced at 28 ms of its batch, as a lone step 46; run against
+  plain steps alone, its two steps cost the batch 95-113 ms of 3.9 s. A probe after plain steps is the
   draft's catch-up, timed apart (below), so it measures alpha alone: the step after it takes
   the same gamma and is timed as that gamma, or a gamma whose cost was timed high once (a
   batch size's first shapes) would keep plain steps on through every probe.
@@ -189,6 +195,7 @@ class Expected(NamedTuple):
 
     tokens: list[float]  # summed over the rows
     critical: list[float]  # how much the longest completion the batch has left shrinks
+    lone: list[float]  # how much it shrinks by a lone step's yields (a probe's: lone_critical)
 
 
 def chain_tokens(alpha: float, gamma: int) -> float:
@@ -215,7 +222,25 @@ def expected_tokens(alphas: list[float], remaining: list[int], gamma_max: int) -
             if left - tokens > after[gamma]:
                 after[gamma], moments[gamma] = left - tokens, (tokens, square - tokens**2)
     longest = max(remaining, default=0)
-    return Expected(totals, [(longest - a) * tail_share(longest, *m, len(remaining)) for a, m in zip(after, moments)])
+    critical = [(longest - a) * tail_share(longest, *m, len(remaining)) for a, m in zip(after, moments)]
+    return Expected(totals, critical, lone_critical(alphas, remaining, gamma_max))
+
+
+def lone_critical(alphas: list[float], remaining: list[int], gamma_max: int) -> list[float]:
+    """[G+1]: how much one step, alone, shortens the longest remainder, expected: 1 + the sum over
+    j = 2..gamma+1 of P(every row's remainder after the step is under longest - j + 1), a row
+    `gap` under the longest needing j - gap tokens (or all it has left), with probability
+    alpha^(that - 1). A row alone gains its whole yield; rows that tie need every one of them to
+    accept (8 rows at 0.33: 1.0002 tokens with gamma 1). Rows further than gamma_max under the
+    longest cannot hold it after one step and are left out."""
+    longest = max(remaining, default=0)
+    near = [(alpha, longest - left, left) for alpha, left in zip(alphas, remaining) if longest - left < gamma_max]
+    lone, total = [1.0], 1.0
+    for j in range(2, gamma_max + 2):
+        if j <= longest:
+            total += math.prod(alpha ** (max(min(j - gap, left), 1) - 1) for alpha, gap, left in near)
+        lone.append(total)
+    return lone
 
 
 def tail_share(longest: int, mean: float, variance: float, rows: int) -> float:
@@ -481,6 +506,7 @@ class Choice(NamedTuple):
     tree: bool
     work: float  # the step's expected work, in seconds of plain steps
     seconds: float  # its expected cost, the draft's catch-up aside
+    lone: float  # its work as a lone step among plain ones (a probe's)
 
 
 def loss(other: Choice, best: Choice) -> float:
@@ -541,14 +567,14 @@ class GammaPolicy:
         scale = self.tree_costs.scale(context)
         return lift, [seconds * scale for seconds in self.tree_costs.estimates(rows, self.gamma_max)]
 
-    def work(self, rows: int, expected: Expected, plain: float) -> list[float]:
+    def work(self, rows: int, tokens: list[float], critical: list[float], plain: float) -> list[float]:
         """[G+1]: a step's expected work in seconds of plain steps. A plain step costs
         plain = T(B, 0) = c + d * B; a static batch lasts as long as its longest completion, so
         a step that shortens it by `critical` tokens and yields `tokens` in all does the work of
         c * critical + d * tokens (a plain step's: c + d * B)."""
         c = self.costs.fixed_share(rows) * plain
         d = (plain - c) / rows
-        return [c * critical + d * tokens for tokens, critical in zip(expected.tokens, expected.critical)]
+        return [c * shrinks + d * yields for yields, shrinks in zip(tokens, critical)]
 
     def choose(self, rows: int, expected: Expected | None, behind: int = 0, left: float = math.inf,
                context: int = 0) -> int:
@@ -567,8 +593,10 @@ class GammaPolicy:
         costs = [seconds * self.costs.scale(context) for seconds in empty]  # over this step's caches
         if expected is None:
             per_row = [chain_tokens(self.alpha, g) for g in range(self.gamma_max + 1)]
-            expected = Expected([rows * e for e in per_row], per_row)
-        work = self.work(rows, expected, costs[0])
+            lone = lone_critical([self.alpha] * rows, [self.gamma_max + 1] * rows, self.gamma_max)  # rows alike
+            expected = Expected([rows * e for e in per_row], per_row, lone)
+        work = self.work(rows, expected.tokens, expected.critical, costs[0])
+        lone = self.work(rows, expected.tokens, expected.lone, costs[0])  # a probe's: one step, then plain ones
         arms = [(False, [1.0] * len(costs), costs)]
         if self.trees:
             arms.append((True, *self.tree_arm(rows, costs, context)))
@@ -578,7 +606,7 @@ class GammaPolicy:
             for g in range(int(tree), self.gamma_max + 1):
                 tokens, done = expected.tokens[g] * lift[g], work[g] * lift[g]
                 share = catch_up * tokens / max(left, tokens) if g else 0.0  # over left / tokens steps
-                choices.append(Choice(done / (seconds[g] + share), g, tree, done, seconds[g]))
+                choices.append(Choice(done / (seconds[g] + share), g, tree, done, seconds[g], lone[g] * lift[g]))
         best = max(choices, key=lambda c: c.rate)  # the first of equals: chains before trees
         if best.rate < (1 + MARGIN) * choices[0].rate:  # choices[0]: the plain step
             best = choices[0]
@@ -594,7 +622,7 @@ class GammaPolicy:
         self.plain_steps += 1
         probe = max((c for c in choices if c.gamma), key=lambda c: c.rate)
         steps = 2 if behind > 1 else 1  # after a catch-up, one more step times the probe's gamma
-        loss = (steps * (probe.seconds - probe.work) + catch_up) / costs[0]  # in plain steps: cost - work
+        loss = (steps * (probe.seconds - probe.lone) + catch_up) / costs[0]  # in plain steps: cost - work
         if self.plain_steps < max(self.probe_gap, loss / PROBE_BUDGET):
             return 0
         self.plain_steps, self.probe_gap = 0, min(2 * self.probe_gap, PROBE_LAST)
