@@ -231,7 +231,7 @@ def lone_critical(alphas: list[float], remaining: list[int], gamma_max: int) -> 
     j = 2..gamma+1 of P(every row's remainder after the step is under longest - j + 1), a row
     `gap` under the longest needing j - gap tokens (or all it has left), with probability
     alpha^(that - 1). A row alone gains its whole yield; rows that tie need every one of them to
-    accept (8 rows at 0.33: 1.0002 tokens with gamma 1). Rows further than gamma_max under the
+    accept (8 rows at 0.33: 1.0001 tokens with gamma 1). Rows further than gamma_max under the
     longest cannot hold it after one step and are left out."""
     longest = max(remaining, default=0)
     near = [(alpha, longest - left, left) for alpha, left in zip(alphas, remaining) if longest - left < gamma_max]
