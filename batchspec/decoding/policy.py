@@ -39,7 +39,12 @@ per second; gamma 0 is a plain target step, the draft sits out.
   step that accepted 7 of 13, and auto took plain steps on 72 % of its row-steps, at 0.89x fixed
   gamma 2; simulated with costs from that trace, 40 seeds, rows alike: 1.096x ar, 1.086x with
   weights up to 64 over the faded count, 1.169x at fixed gamma 2; rows at 0.70-0.85: 1.091x,
-  1.071x, 1.147x). Evidence fades with every step, plain ones included: a row's towards the run's
+  1.071x, 1.147x). The rates' spread weighs each by its count (Pearson's chi-square): a row checks
+  proposals up to its first rejection, so the rows that reject early hold the rates furthest out
+  (0 of 1) on the fewest proposals, and their unweighted spread over the rows' mean noise passed
+  for a difference in a batch's first steps: 8 rows alike at 0.77 with gamma 3 read as apart after
+  2 steps in 12 % of draws, at 0.9 after one in 57 % (the test's level: 1 %); weighed, 3 % and
+  19 % (row_alphas). Evidence fades with every step, plain ones included: a row's towards the run's
   alpha, the run's (more slowly) towards the higher of PRIOR_ALPHA and the alpha of all the run's
   proposals (none faded), which keeps PRIOR_WEIGHT proposals' worth in it. alpha is only measured
   while speculating, so speculation stops on a low estimate and, were the evidence kept, would
@@ -141,18 +146,24 @@ per second; gamma 0 is a plain target step, the draft sits out.
   ms at 6, 7, 8 rows, medians), once read 61, 56, 49 ms in the moving averages. A batch size
   timed fewer times is evicted to, and timed then: on a GPU, where fewer rows should never cost
   more, rows leave. Trees never keep rows (their drafters go on proposing for every row).
-- The draft's catch-up: after plain steps (and at a batch's start, its prompts) its first
-  forward also reads every token it skipped, a cost per row and skipped token: what a step that
-  did so took over the next one, where that took the same gamma at as many rows (such steps
-  do not count towards T). Against the gamma's estimate instead, a cost timed on a slower
-  machine, or not timed yet, went into it (traced on an H100 at batch 1: 1.3-1.7 ms a token
-  against steps of 20 ms, where reading 50 tokens costs about what reading one does, and
-  probes priced out within every row). It is paid once for all the
-  speculative steps after it, so a step with gamma > 0 is priced with the catch-up spread over
-  the steps the batch has left at that gamma (the tokens its rows may still generate over the
-  step's expected tokens): speculation that clearly pays starts at once, one that barely pays
-  waits while a short batch end would not repay the draft's reading. A probe's loss includes
-  the whole catch-up: if speculation still does not pay, the draft falls behind again.
+- The draft's catch-up: after plain steps (and at a batch's start, its prompts) its first forward
+  also reads every token it skipped, a cost per row and skipped token: what a step that did so
+  took over the next one, where that took the same gamma at as many rows (such steps do not count
+  towards T). Against the gamma's estimate instead, a cost timed on a slower machine, or not timed
+  yet, went into it (traced on an H100 at batch 1: 1.3-1.7 ms a token against steps of 20 ms,
+  where reading 50 tokens costs about what reading one does, and probes priced out within every
+  row). The cost is the least-squares slope through 0 of those differences over the row-tokens
+  read (older catch-ups weighing CATCH_DECAY each, CATCH_PRIOR row-tokens' worth of 0 before any):
+  each difference holds a step's timing noise, and over the few tokens read after a plain step or
+  two (a plain step's re-timing) that noise was the estimate, averaged catch-up by catch-up
+  (simulated at 8 rows, steps timed 13 % apart, the draft reading 0.1 ms a row and token: runs'
+  medians 0.14-0.48 ms, up to 2.7; fitted, 0.09-0.10), and a batch's first speculative step, 41
+  tokens behind, was priced at several plain steps. It is paid once for all the speculative steps
+  after it, so a step with gamma > 0 is priced with the catch-up spread over the steps the batch
+  has left at that gamma (the tokens its rows may still generate over the step's expected tokens):
+  speculation that clearly pays starts at once, one that barely pays waits while a short batch end
+  would not repay the draft's reading. A probe's loss includes the whole catch-up: if speculation
+  still does not pay, the draft falls behind again.
 - Trees (--tree-width W, or several drafts' chains, with auto): a tree of depth gamma is one
   more choice beside the chain of gamma, with its own step costs and its own run alpha (per
   depth of the accepted path); a tree's work is its chain's times the run's
@@ -188,6 +199,8 @@ STALE = 2.0  # a gamma timed while a plain step cost this many times what it cos
 MARGIN = 0.03  # the least gain in expected work per second over a plain step that speculation needs
 PRIOR_FIXED_SHARE = 0.5  # the share of a plain step that does not grow with its rows, before it was measured
 CONTEXT_PRIOR = 2000.0  # slots^2 of spread within cells: the weight of a growth of 0 (StepCosts.learn)
+CATCH_PRIOR = 8.0  # row-tokens read at no cost: the weight of a catch-up cost of 0 (GammaPolicy.observe)
+CATCH_DECAY = 0.8  # per catch-up: how much an older one weighs in the catch-up cost
 
 
 class Expected(NamedTuple):
@@ -277,21 +290,25 @@ def row_alphas(seen: list[tuple[float, float, float]], prior: float) -> list[flo
     """The rows' alphas from their decayed (accepted, checked, squares) proposals, each shrunk
     towards the run's alpha `prior` by the same weight (empirical Bayes). Were the rows alike,
     a row's rate would vary about prior by prior (1 - prior) / n, n = checked^2 / squares its
-    proposals' effective count, and the rates' spread s^2 over B rows would be that noise times
-    a chi-square of B - 1 degrees of freedom over B - 1: under its ALIKE_LEVEL quantile, the rows
-    are taken as alike and priced at prior. Over it, the true alphas spread by v = s^2 - noise,
-    which weighs prior as prior (1 - prior) / v - 1 proposals (a beta distribution's),
-    PRIOR_WEIGHT at least."""
+    proposals' effective count, and the rates' squared deviations from their mean, each over
+    that noise (Pearson's chi-square, Q), would follow a chi-square of B - 1 degrees of freedom:
+    under its ALIKE_LEVEL quantile, the rows are taken as alike and priced at prior. Over it,
+    the true alphas spread by v = (Q - (B - 1)) / (sum w - sum w^2 / sum w), w = 1 / noise
+    (DerSimonian and Laird's), which weighs prior as prior (1 - prior) / v - 1 proposals (a beta
+    distribution's), PRIOR_WEIGHT at least. Weighed by their counts, not compared unweighted with
+    the rows' mean noise: see the module's alpha."""
     rates = [(accepted / checked, checked**2 / squares) for accepted, checked, squares in seen if checked > 0]
     weight = PRIOR_WEIGHT
     if len(rates) >= 2:
         free = len(rates) - 1  # degrees of freedom
-        mean = sum(rate for rate, _ in rates) / len(rates)
-        spread = sum((rate - mean) ** 2 for rate, _ in rates) / free
-        noise = sum(prior * (1 - prior) / n for _, n in rates) / len(rates)
-        if spread <= noise * chi_square_quantile(free, ALIKE_LEVEL) / free:
+        precisions = [n / (prior * (1 - prior)) for _, n in rates]  # 1 / a rate's noise, were the rows alike
+        total = sum(precisions)
+        mean = sum(w * rate for w, (rate, _) in zip(precisions, rates)) / total
+        pearson = sum(w * (rate - mean) ** 2 for w, (rate, _) in zip(precisions, rates))  # chi-square if alike
+        if pearson <= chi_square_quantile(free, ALIKE_LEVEL):
             return [prior] * len(seen)
-        weight = max(prior * (1 - prior) / (spread - noise) - 1, PRIOR_WEIGHT)
+        spread = (pearson - free) / (total - sum(w * w for w in precisions) / total)  # the true alphas' (D-L)
+        weight = max(prior * (1 - prior) / spread - 1, PRIOR_WEIGHT)
     return [row_alpha(accepted, checked, prior, weight) for accepted, checked, _ in seen]
 
 
@@ -537,6 +554,7 @@ class GammaPolicy:
         self.since_retime = 0  # speculative steps since another gamma than the best was re-timed
         self.credit, self.plain_credit = 0.0, 0.0  # best steps' worth of loss re-timings (stale plain steps') may spend
         self.catch_up: float | None = None  # seconds a step spends per row and token the draft skipped
+        self.catch_sums = (0.0, 0.0)  # over catch-ups, decayed: rows x tokens read times extra seconds; squared
         self.caught: tuple | None = None  # the last catch-up step's (rows, gamma, tree, seconds, behind)
         self.probing: tuple[int, bool] | None = None  # a probe's (gamma, tree) to run once more: its step caught up
 
@@ -675,7 +693,8 @@ class GammaPolicy:
         """A step's outcome: proposals accepted and checked (all rows; a tree's: along the
         accepted paths), its seconds (None: not timed), the tokens the draft read first
         (behind > 1: a catch-up, which costs what it took over the next step when that takes the
-        same gamma at as many rows) and the slots of the target's cache it ran over."""
+        same gamma at as many rows: catch_up fits it per row and token) and the slots of the
+        target's cache it ran over."""
         if tree:
             self.tree_accepted = RUN_DECAY * self.tree_accepted + accepted
             self.tree_checked = RUN_DECAY * self.tree_checked + checked
@@ -693,6 +712,8 @@ class GammaPolicy:
         (self.tree_costs if tree else self.costs).add(rows, gamma, seconds, context)
         if self.caught and self.caught[:3] == (rows, gamma, tree):
             caught_seconds, caught_behind = self.caught[3:]
-            per_token = max(caught_seconds - seconds, 0.0) / (rows * caught_behind)
-            self.catch_up = per_token if self.catch_up is None else self.catch_up + 0.2 * (per_token - self.catch_up)
+            read = rows * caught_behind  # row-tokens
+            extra, squares = self.catch_sums
+            self.catch_sums = (CATCH_DECAY * extra + read * (caught_seconds - seconds), CATCH_DECAY * squares + read**2)
+            self.catch_up = max(self.catch_sums[0] / (self.catch_sums[1] + CATCH_PRIOR**2), 0.0)
         self.caught = None
