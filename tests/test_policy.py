@@ -663,7 +663,7 @@ def test_the_drafts_catch_up_is_spread_over_the_steps_the_batch_has_left():
     policy = GammaPolicy(gamma_max=1)
     timed(policy, lambda g: 1.0 + 0.2 * g)  # plain 1.0 s for ROWS tokens; gamma 1: 1.2 s
     measured(policy, 0.32)  # E = 1.32 per row: 1.1x the plain rate
-    policy.catch_up = 0.01  # s per row and skipped token
+    policy.catch_sums = (0.01 * 1e9, 1e9)  # timed catch-ups (1e9 row-tokens' worth): 0.01 s per row and skipped token
     assert policy.choose(ROWS, None, behind=20, left=40) == 0  # 1.2 + 0.8 * 5.28 / 40 s for 5.28 tokens
     assert policy.choose(ROWS, None, behind=20, left=4000) == 1
     assert policy.choose(ROWS, None, behind=1, left=40) == 1  # nothing to catch up
@@ -675,7 +675,7 @@ def test_speculation_that_pays_starts_with_the_batch():
     policy = GammaPolicy(gamma_max=3)
     timed(policy, lambda g: 1.0 + 0.2 * g)
     measured(policy, 0.8)  # E(0.8, 3) = 2.95 per row in 1.6 s: 1.84x
-    policy.catch_up = 0.0025
+    policy.catch_sums = (0.0025 * 1e9, 1e9)  # 0.0025 s per row and skipped token
     assert policy.choose(ROWS, None, behind=200, left=64 * ROWS) == 3
 
 

@@ -553,14 +553,22 @@ class GammaPolicy:
         self.plain_steps, self.probe_gap = 0, PROBE_FIRST
         self.since_retime = 0  # speculative steps since another gamma than the best was re-timed
         self.credit, self.plain_credit = 0.0, 0.0  # best steps' worth of loss re-timings (stale plain steps') may spend
-        self.catch_up: float | None = None  # seconds a step spends per row and token the draft skipped
-        self.catch_sums = (0.0, 0.0)  # over catch-ups, decayed: rows x tokens read times extra seconds; squared
+        self.catch_sums: tuple[float, float] | None = None  # over catch-ups, decayed: row-tokens read x extra s; squared
         self.caught: tuple | None = None  # the last catch-up step's (rows, gamma, tree, seconds, behind)
         self.probing: tuple[int, bool] | None = None  # a probe's (gamma, tree) to run once more: its step caught up
 
     @property
     def auto(self) -> bool:
         return self.fixed is None
+
+    @property
+    def catch_up(self) -> float | None:
+        """Seconds a step spends per row and token the draft skipped (None before any catch-up was
+        timed): the catch-ups' least-squares slope through 0, CATCH_PRIOR row-tokens' worth of 0 before."""
+        if self.catch_sums is None:
+            return None
+        extra, squares = self.catch_sums
+        return max(extra / (squares + CATCH_PRIOR**2), 0.0)
 
     @property
     def alpha(self) -> float:
@@ -713,7 +721,6 @@ class GammaPolicy:
         if self.caught and self.caught[:3] == (rows, gamma, tree):
             caught_seconds, caught_behind = self.caught[3:]
             read = rows * caught_behind  # row-tokens
-            extra, squares = self.catch_sums
+            extra, squares = self.catch_sums or (0.0, 0.0)
             self.catch_sums = (CATCH_DECAY * extra + read * (caught_seconds - seconds), CATCH_DECAY * squares + read**2)
-            self.catch_up = max(self.catch_sums[0] / (self.catch_sums[1] + CATCH_PRIOR**2), 0.0)
         self.caught = None
