@@ -122,14 +122,14 @@ per second; gamma 0 is a plain target step, the draft sits out.
   kept a batch speculating at 0.9x plain steps in the fast one after it. Simulated with phases
   drawn at random per batch, where gamma 1 loses 14 % in one (tests/test_policy.py), this took
   auto from 0.93x to 0.98x plain steps; it costs a strongly paying pair under 1 %.
-- A cell timed again after RETIME_GAP timings or more (a re-timing, a probe) starts again
-  from its new timing where that reads under the old estimate, and goes RESTART_WEIGHT of the
-  way to it where it reads over. A cost that reads low is chosen, and so timed again at once;
-  one that reads high is not, and stood on one timing's noise: simulated at 8 rows on a paying
-  pair's costs, steps timed 6 % apart, the gammas not chosen read 5-12 % over their costs, and
-  auto (MARGIN 1 %) ran at 1.063x plain steps where fixed gamma 2 ran at 1.102x; with the
-  restart halfway over, 1.070x (halfway either way, 1.074x: but a gamma whose first timing read
-  high, a batch size's first shapes, then needs two probes to be taken).
+- A cell timed again after RETIME_GAP timings or more (a re-timing, a probe) starts again from its
+  new timing where that reads under the old estimate, and goes RESTART_WEIGHT of the way to it
+  where it reads over. A cost that reads low is chosen, and so timed again at once; one that reads
+  high is not, and stood on one timing's noise: simulated at 8 rows on a paying pair's costs,
+  steps timed 6 % apart, gamma 2's and 3's cells read 7 and 12 % over their costs on average (the
+  plain cell 2 % under), and auto (MARGIN 1 %) ran at 1.063x plain steps where fixed gamma 2 ran
+  at 1.102x; with the restart halfway over, 1.070x (halfway either way, 1.074x: but a gamma whose
+  first timing read high, a batch size's first shapes, then needs two probes to be taken).
 - A plain cost that one timing alone turned against speculation (a stale cell that started
   again from it, where the cost it replaced had plain steps win) is timed once more before
   speculation goes on it, and the lesser of the two stands. Speculating, a plain step is not
