@@ -50,10 +50,10 @@ def test_choose_picks_what_the_formula_says(alpha, base, per_draft):
     assert policy.choose(ROWS, None) == by_formula(alpha, cost, 8)  # None: ROWS rows alike at the run's alpha
 
 
-@pytest.mark.parametrize("gain, chosen", [(0.005, 0), (0.02, 1)])
+@pytest.mark.parametrize("gain, chosen", [(0.02, 0), (0.05, 1)])
 def test_a_gain_inside_the_margin_stays_plain(gain, chosen):
-    """gamma 1 promising 0.5 % more tokens per second than a plain step is not taken (timings are
-    noisy, and the best of noisy estimates is biased up); 2 % is."""
+    """gamma 1 promising 2 % more tokens per second than a plain step is not taken (timings are
+    noisy, and the best of noisy estimates is biased up); 5 % is."""
     policy = GammaPolicy(gamma_max=1)
     alpha = 0.5  # E(0.5, 1) = 1.5 tokens
     timed(policy, lambda g: 1.5 / (1 + gain) if g else 1.0)
@@ -336,8 +336,7 @@ def test_a_plain_cost_turned_by_one_slow_timing_is_timed_again(confirms, monkeyp
     rows read 57 ms there, 41-45 after). The plain cost at 8 rows, stale by then, starts again
     from that one timing and makes speculation look best; speculating, it would not be timed
     again in that batch. Timed once more first (the lesser of the two kept), plain steps stay:
-    0.981x the plain steps' time (the slow first steps included); without, 0.976x (0.95x while a
-    restart took its new timing whole; halfway, it lifts the plain cost by half as much). Holding
+    0.98x the plain steps' time (the slow first steps included); without, 0.94-0.97x. Holding
     timings over HOLD, which catches most such first steps too, is off: this is the rule alone,
     which also acts where the one timing is under HOLD over, or the first at its batch size."""
     monkeypatch.setattr(policy_module, "HOLD", math.inf)
@@ -354,7 +353,7 @@ def test_a_plain_cost_turned_by_one_slow_timing_is_timed_again(confirms, monkeyp
 
     plain = sum(cpu_step(sum(n > t for n in rows), 0) for rows in lengths for t in range(max(rows)))
     auto = decode_batches(GammaPolicy(gamma_max=8), 0.2, seconds, [list(rows) for rows in lengths])
-    assert (plain / sum(auto) > 0.978) == confirms
+    assert (plain / sum(auto) > 0.975) == confirms
 
 
 @pytest.mark.parametrize("expires", [True, False])
@@ -435,8 +434,8 @@ def test_a_paying_draft_is_judged_on_more_than_a_handful_of_proposals(trial, fad
     accepted read 0.61 against the prior's 8 at 0.5, gammas' first costs 1.3-1.6x high, plain
     steps won, and alpha faded towards 0.5, under the break-even, for the rest of the run.
     Checking TRIAL proposals first, and fading towards the run's alpha where that is over 0.5,
-    32 runs of 16 rows (after one not counted) average 1.34x plain steps, none under 1.17x;
-    without the first, 1.28x, one at 0.99x; without the second, 1.31x."""
+    32 runs of 16 rows (after one not counted) average 1.34x plain steps, none under 1.16x;
+    without the first, 1.25x, one at 0.99x; without the second, 1.30x, one at 1.00x."""
     if not trial:
         monkeypatch.setattr(policy_module, "TRIAL", 0)
     if not fades_up:
@@ -452,7 +451,7 @@ def test_a_paying_draft_is_judged_on_more_than_a_handful_of_proposals(trial, fad
 
         spent = decode_batches(GammaPolicy(gamma_max=8), 0.85, seconds, [[64]] * 17, seed, catch_up=0.04, prompt=47)
         speed_ups.append(16 * 64 / sum(spent[1:]))
-    assert (sum(speed_ups) / len(speed_ups) > 1.32 and min(speed_ups) > 1.1) == (trial and fades_up)
+    assert (sum(speed_ups) / len(speed_ups) > 1.3 and min(speed_ups) > 1.1) == (trial and fades_up)
 
 
 def rows_seen(alphas: list[float], steps: int, seed: int, gamma: int = 3) -> list[tuple[float, float, float]]:
@@ -660,12 +659,12 @@ def test_trees_are_tried_and_kept_only_where_they_pay(alphas, tree_cost, best):
 
 def test_the_drafts_catch_up_is_spread_over_the_steps_the_batch_has_left():
     """gamma 1 beats plain steps by 10 %; a draft 20 tokens behind first reads them all (0.8 s,
-    paid once): worth it with 4000 tokens left, not with 30 (0.8 s over ~6 steps)."""
+    paid once): worth it with 4000 tokens left, not with 40 (0.8 s over ~8 steps)."""
     policy = GammaPolicy(gamma_max=1)
     timed(policy, lambda g: 1.0 + 0.2 * g)  # plain 1.0 s for ROWS tokens; gamma 1: 1.2 s
     measured(policy, 0.32)  # E = 1.32 per row: 1.1x the plain rate
     policy.catch_sums = (0.01 * 1e9, 1e9)  # timed catch-ups (1e9 row-tokens' worth): 0.01 s per row and skipped token
-    assert policy.choose(ROWS, None, behind=20, left=30) == 0  # 1.2 + 0.8 * 5.28 / 30 s for 5.28 tokens
+    assert policy.choose(ROWS, None, behind=20, left=40) == 0  # 1.2 + 0.8 * 5.28 / 40 s for 5.28 tokens
     assert policy.choose(ROWS, None, behind=20, left=4000) == 1
     assert policy.choose(ROWS, None, behind=1, left=40) == 1  # nothing to catch up
 
@@ -704,16 +703,12 @@ def test_step_costs_fill_in_gammas_and_batch_sizes_not_timed():
     assert costs.estimates(4, 2)[2] == pytest.approx(2.08)
     for _ in range(RETIME_GAP + 1):
         costs.add(4, 2, 2.4)
-    costs.add(4, 0, 1.2)  # not timed in RETIME_GAP timings: starts again, halfway to a timing over it
-    assert costs.estimates(4, 0)[0] == pytest.approx(1.1) and costs.unconfirmed(4, 1.1) == pytest.approx(1 / 1.1)
-    costs.add(4, 0, 1.05)  # a plain step's second timing since then: the lesser of the two
-    assert costs.estimates(4, 0)[0] == pytest.approx(1.05) and costs.unconfirmed(4, 1.05) == 1.0
-    costs.add(4, 0, 1.3)  # then a moving average again
-    assert costs.estimates(4, 0)[0] == pytest.approx(1.1)
-    for _ in range(RETIME_GAP + 1):
-        costs.add(4, 2, 2.4)
-    costs.add(4, 0, 0.9)  # a timing under the estimate it starts again from is taken whole
-    assert costs.estimates(4, 0)[0] == pytest.approx(0.9)
+    costs.add(4, 0, 1.2)  # not timed in RETIME_GAP timings: starts again from the new one
+    assert costs.estimates(4, 0)[0] == pytest.approx(1.2) and costs.unconfirmed(4, 1.2) == pytest.approx(1 / 1.2)
+    costs.add(4, 0, 1.1)  # a plain step's second timing since then: the lesser of the two
+    assert costs.estimates(4, 0)[0] == pytest.approx(1.1) and costs.unconfirmed(4, 1.1) == 1.0
+    costs.add(4, 0, 1.35)  # then a moving average again
+    assert costs.estimates(4, 0)[0] == pytest.approx(1.15)
 
 
 def test_step_costs_are_taken_over_empty_caches_by_the_growth_the_timings_show():
@@ -795,13 +790,13 @@ def test_gammas_timed_without_a_rise_leave_the_plain_step_on_the_line():
     180 ms (noise), acceptance 0.42. Their line has no slope: every gamma above looked as cheap,
     gamma 8 promised 1.1x plain steps and ran at 507 ms, 4.4 plain steps. Each proposal adds a
     draft forward at least, so the plain step joins such a line: 32 ms a proposal, gamma 8 at
-    375 ms, and gamma 2 wins (it promises 1.02x; gamma 3, on the line, 0.90x)."""
+    375 ms, and plain steps win (gamma 2 promises 1.02x)."""
     policy = GammaPolicy(gamma_max=8)
     timed(policy, lambda g: [0.115, 0.188, 0.180][g], gammas=[0, 1, 2])
     measured(policy, 0.42)
     costs = policy.costs.estimates(ROWS, 8)
     assert costs[8] == pytest.approx(0.375, abs=0.001) and costs[3] > costs[2]
-    assert policy.choose(ROWS, None) == 2
+    assert policy.choose(ROWS, None) == 0
 
 
 def test_a_batch_size_of_plain_steps_borrows_the_costs_of_the_nearest_with_a_line():

@@ -90,10 +90,7 @@ per second; gamma 0 is a plain target step, the draft sits out.
   underestimated (the optimizer's curse), so a gain promised within the noise is more often a
   loss (traced: gamma 1 promised ~4 % at batch 8 and ran at 0.87x plain). A gain under
   MARGIN forgone leaves auto within MARGIN of that gamma, so MARGIN stays well under the 5 %
-  that auto may trail the best fixed gamma by. At 3 %, simulated at 8 rows on a paying pair's
-  costs (steps timed 6 % apart, gamma 2 gaining 10 %), the noise in the costs put the best gain
-  under it for long stretches of plain steps: auto ran at 1.048x plain steps, 1.063x at 1 %,
-  and with a useless draft, or one whose gamma 1 loses 14-16 %, at 0.99x plain steps either way.
+  that auto may trail the best fixed gamma by.
 - While gamma 0 wins, a probe step with the best gamma > 0 comes after 16 plain steps, then
   after 32, 64, ... 512, and never before the time its estimated loss (what it costs over the
   work it should do) is 1% of the plain steps between probes: a pair that started badly
@@ -122,14 +119,6 @@ per second; gamma 0 is a plain target step, the draft sits out.
   kept a batch speculating at 0.9x plain steps in the fast one after it. Simulated with phases
   drawn at random per batch, where gamma 1 loses 14 % in one (tests/test_policy.py), this took
   auto from 0.93x to 0.98x plain steps; it costs a strongly paying pair under 1 %.
-- A cell timed again after RETIME_GAP timings or more (a re-timing, a probe) starts again from its
-  new timing where that reads under the old estimate, and goes RESTART_WEIGHT of the way to it
-  where it reads over. A cost that reads low is chosen, and so timed again at once; one that reads
-  high is not, and stood on one timing's noise: simulated at 8 rows on a paying pair's costs,
-  steps timed 6 % apart, gamma 2's and 3's cells read 7 and 12 % over their costs on average (the
-  plain cell 2 % under), and auto (MARGIN 1 %) ran at 1.063x plain steps where fixed gamma 2 ran
-  at 1.102x; with the restart halfway over, 1.070x (halfway either way, 1.074x: but a gamma whose
-  first timing read high, a batch size's first shapes, then needs two probes to be taken).
 - A plain cost that one timing alone turned against speculation (a stale cell that started
   again from it, where the cost it replaced had plain steps win) is timed once more before
   speculation goes on it, and the lesser of the two stands. Speculating, a plain step is not
@@ -141,7 +130,7 @@ per second; gamma 0 is a plain target step, the draft sits out.
   timing is over that too (the lesser of the two then): the 2-core VM stalls now and then (a
   paying pair's plain steps at 8 rows read 34-42 ms, one in twenty 46-57; a gamma 4 step at 7
   rows 202 ms against 108). Counted, such a timing lifts a moving average by a fifth of its
-  excess, or half of a stale cell's new estimate, and auto takes other gammas or plain steps
+  excess, or is all of a stale cell's new estimate, and auto takes other gammas or plain steps
   for many steps: simulated with 5 % of steps 1.3-2x slower, auto ran at 0.92-0.98x the best
   fixed gamma, held at 0.94-1.0x (tests/test_policy.py). A machine that did slow down stays
   slow, and the cell's next timing confirms it (the cell keeps its price until then, so it is
@@ -198,7 +187,6 @@ PRIOR_SLOPE = 0.1  # a proposal's cost relative to a plain step, before a cost l
 PROBE_FIRST, PROBE_LAST = 16, 512  # plain steps before a probe of speculation (doubling)
 PROBE_BUDGET = 0.01  # the most of the time an expected-to-lose probe (or re-timing) may take
 RETIME_GAP = 16  # speculative steps at least between two re-timings of another gamma
-RESTART_WEIGHT = 0.5  # a cell's new timing's weight where it was not timed in RETIME_GAP timings
 PLAIN_STALE = 2 * RETIME_GAP  # timings after which a plain step's cost at B is re-timed first, on its own budget
 TREE_LIFT = 1.25  # a tree's alpha over the chain's, before any tree was checked
 HOLD = 0.25  # a timing this much over its cell's estimate counts only once the cell's next timing confirms it
@@ -208,7 +196,7 @@ MIN_RISE = 0.05  # the least a proposal adds to a step, in plain steps, on a lin
 OFF_LINE = 0.25  # how far over a plain step's cost the gammas' line may start, the plain step on it (StepCosts.fit)
 TRIAL = 16  # proposals a run checks before its alpha may stop speculation (twice PRIOR_WEIGHT)
 STALE = 2.0  # a gamma timed while a plain step cost this many times what it costs now is priced anew
-MARGIN = 0.01  # the least gain in expected work per second over a plain step that speculation needs
+MARGIN = 0.03  # the least gain in expected work per second over a plain step that speculation needs
 PRIOR_FIXED_SHARE = 0.5  # the share of a plain step that does not grow with its rows, before it was measured
 CONTEXT_PRIOR = 2000.0  # slots^2 of spread within cells: the weight of a growth of 0 (StepCosts.learn)
 CATCH_PRIOR = 8.0  # row-tokens read at no cost: the weight of a catch-up cost of 0 (GammaPolicy.observe)
@@ -335,8 +323,7 @@ def chi_square_quantile(free: int, level: float) -> float:
 class StepCosts:
     """Seconds per step by (live rows B, gamma) over empty caches: moving averages of timed
     steps, each over scale(the slots its cache held), and estimates for cells not timed
-    yet. A cell not timed in RETIME_GAP timings starts again from the new timing where that is
-    lower, and goes RESTART_WEIGHT of the way to it where it is higher; a plain step's
+    yet. A cell not timed in RETIME_GAP timings starts again from the new one; a plain step's
     second timing since then replaces the first if lower (it confirms a cost that turned the
     choice to speculation: see GammaPolicy.choose). A timing over HOLD above its cell's estimate
     is held: it counts only if the cell's next timing is over that too (the lesser of the two
@@ -404,7 +391,7 @@ class StepCosts:
         if restarts:
             if gamma == 0 and self.cells:
                 self.replaced[rows] = self.estimates(rows, 0)[0]
-            new = seconds if old is None else min(seconds, old + RESTART_WEIGHT * (seconds - old))
+            new = seconds
         elif gamma == 0 and self.plain_timings[rows] == 1:
             new = min(old, seconds)
         else:
@@ -566,7 +553,7 @@ class GammaPolicy:
         self.plain_steps, self.probe_gap = 0, PROBE_FIRST
         self.since_retime = 0  # speculative steps since another gamma than the best was re-timed
         self.credit, self.plain_credit = 0.0, 0.0  # best steps' worth of loss re-timings (stale plain steps') may spend
-        self.catch_sums: tuple[float, float] | None = None  # catch-ups decayed: row-tokens read x extra s; squared
+        self.catch_sums: tuple[float, float] | None = None  # over catch-ups, decayed: row-tokens read x extra s; squared
         self.caught: tuple | None = None  # the last catch-up step's (rows, gamma, tree, seconds, behind)
         self.probing: tuple[int, bool] | None = None  # a probe's (gamma, tree) to run once more: its step caught up
 
