@@ -163,3 +163,48 @@ def test_every_forward_runs_without_cudnn_attention(tiny_pair, family):
         hook.remove()
     assert len(flags) > 4 and not any(flags)
     assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_verify_forwards_attend_without_copying_the_cache(tiny_pair, monkeypatch):
+    """A grouped-query layer (the tiny Llama: 4 query heads over 2 key-value heads) verifying
+    several positions under a mask attends per key-value head: transformers' repeat_kv, a copy
+    of the layer's cache, never runs; and transformers' own SDPA is back after our forwards."""
+    from transformers.integrations import sdpa_attention
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    pair = load_pair(*map(str, tiny_pair("llama")), dtype="float32", device="cpu")
+    assert pair.target.config.num_attention_heads > pair.target.config.num_key_value_heads
+    repeats, repeat_kv = [], sdpa_attention.repeat_kv
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda *a: repeats.append(a) or repeat_kv(*a))
+    widths = []  # the target's forwards' query positions
+    hook = pair.target.register_forward_pre_hook(lambda _, args, kw: widths.append(kw["input_ids"].shape[1]),
+                                                 with_kwargs=True)
+    config = DecodeConfig(max_new_tokens=8, eos_token_ids=(), gamma=3)
+    prompts = random_prompts(len(pair.tokenizer), [3, 7, 5])  # left pads: every forward is masked
+    BatchDecoder(pair.target, pair.draft, prompts, [0, 1, 2], config).run()
+    hook.remove()
+    assert widths.count(4) > 1 and not repeats
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention.sdpa_attention_forward
+
+
+@pytest.mark.parametrize("mask_queries", [1, 3])
+@pytest.mark.parametrize("boolean", [True, False])
+def test_grouped_attention_is_transformers_sdpa(mask_queries, boolean):
+    """Packed per key-value head, the queries' attention equals transformers' SDPA (keys and
+    values repeated per query head), with a mask per query or one for all, boolean or additive."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from batchspec.decoding.attention import grouped_sdpa
+
+    torch.manual_seed(0)
+    query, key, value = torch.randn(2, 6, 3, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)
+    seen = torch.rand(2, 1, mask_queries, 9) > 0.3
+    seen[..., -1] = True
+    mask = seen if boolean else torch.zeros(seen.shape).masked_fill_(~seen, torch.finfo(torch.float32).min)
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True)
+    ours, _ = grouped_sdpa(module, query, key, value, mask, scaling=0.3)
+    theirs, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+    assert ours.shape == theirs.shape == (2, 3, 6, 8)
+    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)

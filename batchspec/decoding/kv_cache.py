@@ -18,17 +18,13 @@ own ancestors only, at position past + depth; take_tree then keeps one path of i
 import inspect
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
 
+from batchspec.decoding.attention import attention
 from batchspec.decoding.tree import tree_ancestors
 
 ALIBI_MODELS = {"bloom", "mpt"}  # model types whose forward reads the 2D mask (as do configs with alibi=True)
 SLOT_ALIBI = {"mpt"}  # ALiBi over cache slots, not positions: rollback holes change the output (ar only)
-# Attention kernels that take any shape as it comes. Not cuDNN's, which PyTorch tries first on Hopper
-# and newer GPUs: it builds an execution plan for every new shape (batch, query and key lengths), a
-# host stall of milliseconds, and a decode step's key length is new at every step.
-ANY_SHAPE_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def uses_alibi(config) -> bool:
@@ -138,7 +134,7 @@ class BatchKV:
             logits_to_keep: int) -> torch.Tensor:
         """The model's forward over the last S slots of the mask (ids [B, S]; positions [B, L]:
         every slot's; seen [B, S, L]: the slots each attends to, itself included; None: causal)."""
-        with sdpa_kernel(ANY_SHAPE_ATTENTION):
+        with attention():
             out = self.model(
                 input_ids=input_ids,
                 attention_mask=self.mask if self.alibi else self.attention_masks(seen, positions),

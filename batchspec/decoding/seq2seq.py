@@ -14,10 +14,10 @@ then sees each row's tokens at their own positions.
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import sdpa_kernel
 from transformers import DynamicCache, EncoderDecoderCache
 
-from batchspec.decoding.kv_cache import ANY_SHAPE_ATTENTION, BatchKV
+from batchspec.decoding.attention import attention
+from batchspec.decoding.kv_cache import BatchKV
 
 T5_FAMILY = ("t5", "mt5", "umt5")  # a relative position bias (UMT5: in every layer)
 BART_FAMILY = ("bart", "mbart", "marian", "pegasus")  # learned (offset 2) or sinusoidal position embeddings
@@ -110,7 +110,7 @@ class Seq2SeqKV(BatchKV):
         ids, mask = source
         super().__init__(model, ids.shape[0], ids.device)
         self.positions = row_positions(model)
-        with sdpa_kernel(ANY_SHAPE_ATTENTION):
+        with attention():
             self.encoded = model.get_encoder()(input_ids=ids, attention_mask=mask)  # last_hidden_state [B, P, H]
         self.source_mask = mask  # [B, P]
 
@@ -122,7 +122,7 @@ class Seq2SeqKV(BatchKV):
             logits_to_keep: int) -> torch.Tensor:
         self.positions.positions = positions  # [B, L]: what the model's patch reads
         try:
-            with sdpa_kernel(ANY_SHAPE_ATTENTION):
+            with attention():
                 out = self.model(
                     encoder_outputs=self.encoded,
                     attention_mask=self.additive(self.source_mask.bool()[:, None, None, :]),  # [B, 1, 1, P]: no sync
