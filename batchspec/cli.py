@@ -10,7 +10,7 @@ import click
 
 from batchspec import __version__
 from batchspec.config import RunConfig, as_toml
-from batchspec.errors import EXIT_INTERRUPTED, UserError, first_line
+from batchspec.errors import EXIT_INTERRUPTED, StopSignals, UserError, first_line
 
 
 def option(name: str, **kwargs):
@@ -232,9 +232,10 @@ def run(input, debug, print_config, **options):
         from batchspec.workers import run_on_devices  # the workers load the models; this process merges
 
         sys.exit(guarded(lambda: run_on_devices(config), debug))
-    from batchspec import job  # torch and transformers load only once the options are fine
+    with StopSignals() as stop:  # a stop while torch and transformers load ends the run before its first batch
+        from batchspec import job  # torch and transformers load only once the options are fine
 
-    sys.exit(guarded(lambda: job.run(config), debug))
+        sys.exit(guarded(lambda: job.run(config, stop), debug))
 
 
 def int_list(text: str, name: str) -> list[int]:

@@ -200,13 +200,15 @@ def with_shard(cfg: RunConfig) -> RunConfig:
     return replace(cfg, num_shards=num_shards, shard_index=shard_index, out=out)
 
 
-def run(cfg: RunConfig) -> int:
+def run(cfg: RunConfig, stop: StopSignals) -> int:
+    """The job; `stop` (active: the caller's) records the stop signals that end it between two
+    decode steps."""
     cfg = with_shard(with_default_models(cfg))
     check_options(cfg)
     if cfg.dry_run:
         return dry_run(cfg)
     paths = OutputPaths.of(cfg.out)
-    with StopSignals() as stop, locked(paths):
+    with locked(paths):
         if cfg.overwrite:
             for path in paths.all():
                 path.unlink(missing_ok=True)

@@ -208,6 +208,34 @@ def test_stop_signal_exits_75_then_rerun_completes(setup, tmp_path, signum):
     assert orjson.loads(sidecar(out, ".summary.json").read_bytes())["finished"] is True
 
 
+def test_a_stop_while_torch_loads_ends_the_run_before_its_first_batch(setup, tmp_path, monkeypatch):
+    """A stop signal can come while the job's modules load (seconds of torch and transformers: a
+    worker of --devices that its parent passes a stop to at once). The command records it from
+    before that import, and the run ends before its first batch: exit 75, with its summary."""
+    import importlib.abc
+
+    import batchspec
+
+    class Loading(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name == "batchspec.job":  # the signal comes as the job's module loads
+                os.kill(os.getpid(), signal.SIGUSR1)
+            return None  # then the usual finders load it
+
+    met = []  # what a signal that no run's handler caught met
+    previous = signal.signal(signal.SIGUSR1, lambda *_: met.append(True))
+    monkeypatch.delitem(sys.modules, "batchspec.job", raising=False)
+    monkeypatch.delattr(batchspec, "job", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [Loading(), *sys.meta_path])
+    try:
+        result = run_here(str(setup["input"]), "--out", str(tmp_path / "out.jsonl"), *setup["models"])
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert result.exit_code == 75 and not met, result.output
+    summary = orjson.loads((tmp_path / "out.summary.json").read_bytes())
+    assert summary["exit_code"] == 75 and summary["rows_in_output"] == 0
+
+
 def test_second_writer_is_refused_at_once(setup, tmp_path):
     out = tmp_path / "out.jsonl"
     holder = subprocess.Popen(
