@@ -1,5 +1,5 @@
 """On a GPU: decode time with cuDNN attention off (batchspec's choice, see ANY_SHAPE_ATTENTION in
-batchspec/decoding/kv_cache.py) against allowed (PyTorch's default, tried first on Hopper and
+batchspec/decoding/attention.py) against allowed (PyTorch's default, tried first on Hopper and
 newer), for ar, fixed gamma 3 and auto. Each method decodes its own batches, rotated from the
 prompts and cut by a few tokens so that no earlier batch had their shapes, as in a real job;
 both settings decode the same ones, taking turns to go first; the first batches are not timed
@@ -16,7 +16,7 @@ from torch.nn.attention import SDPBackend
 
 from batchspec.bench import load_prompts
 from batchspec.decoding import DecodeConfig, decode_batch
-from batchspec.decoding.kv_cache import ANY_SHAPE_ATTENTION
+from batchspec.decoding.attention import ANY_SHAPE_ATTENTION
 from batchspec.models import load_pair
 
 
