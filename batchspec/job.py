@@ -206,7 +206,7 @@ def run(cfg: RunConfig, stop: StopSignals) -> int:
     cfg = with_shard(with_default_models(cfg))
     check_options(cfg)
     if cfg.dry_run:
-        return dry_run(cfg)
+        return dry_run(cfg, stop)
     paths = OutputPaths.of(cfg.out)
     with locked(paths):
         if cfg.overwrite:
@@ -331,8 +331,9 @@ def print_summary(summary: dict, paths: OutputPaths, interrupted: bool) -> None:
     say("\n".join(lines))
 
 
-def dry_run(cfg: RunConfig) -> int:
-    """Check the input, count rows and errors and show the batches, loading no weights."""
+def dry_run(cfg: RunConfig, stop: StopSignals) -> int:
+    """Check the input, count rows and errors and show the batches, loading no weights (a stop
+    signal ends it: 75)."""
     tokenizer = load_tokenizer(cfg.target)
     record_maker(cfg, tokenizer)  # refuses --keep-fields that clash with the output's own
     specs = [cfg.target] + ([cfg.draft_model, *cfg.more_drafts] if cfg.draft_model else [])
@@ -342,6 +343,9 @@ def dry_run(cfg: RunConfig) -> int:
     rows = pads = slots = 0
     for item in plan(shard_items(cfg), encode, window=cfg.window, batch_size=cfg.batch_size,
                      max_batch_tokens=cfg.max_batch_tokens, max_new_tokens=cfg.max_new_tokens, samples=cfg.n):
+        if stop.received:
+            say("interrupted")
+            return EXIT_INTERRUPTED
         if isinstance(item, RowError):
             if sum(errors.values()) < 20:
                 say(f"line {item.line}: {item.type}: {item.message}")

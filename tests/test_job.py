@@ -208,10 +208,12 @@ def test_stop_signal_exits_75_then_rerun_completes(setup, tmp_path, signum):
     assert orjson.loads(sidecar(out, ".summary.json").read_bytes())["finished"] is True
 
 
-def test_a_stop_while_torch_loads_ends_the_run_before_its_first_batch(setup, tmp_path, monkeypatch):
+@pytest.mark.parametrize("dry", [False, True])
+def test_a_stop_while_torch_loads_ends_the_run_before_its_first_batch(setup, tmp_path, monkeypatch, dry):
     """A stop signal can come while the job's modules load (seconds of torch and transformers: a
     worker of --devices that its parent passes a stop to at once). The command records it from
-    before that import, and the run ends before its first batch: exit 75, with its summary."""
+    before that import, and the run ends before its first batch: exit 75, with its summary (a
+    dry run, which writes none, before its first row)."""
     import importlib.abc
 
     import batchspec
@@ -228,10 +230,14 @@ def test_a_stop_while_torch_loads_ends_the_run_before_its_first_batch(setup, tmp
     monkeypatch.delattr(batchspec, "job", raising=False)
     monkeypatch.setattr(sys, "meta_path", [Loading(), *sys.meta_path])
     try:
-        result = run_here(str(setup["input"]), "--out", str(tmp_path / "out.jsonl"), *setup["models"])
+        result = run_here(str(setup["input"]), "--out", str(tmp_path / "out.jsonl"), *setup["models"],
+                          *["--dry-run"] * dry)
     finally:
         signal.signal(signal.SIGUSR1, previous)
     assert result.exit_code == 75 and not met, result.output
+    if dry:
+        assert "dry run of" not in result.output
+        return
     summary = orjson.loads((tmp_path / "out.summary.json").read_bytes())
     assert summary["exit_code"] == 75 and summary["rows_in_output"] == 0
 
