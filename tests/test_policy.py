@@ -145,9 +145,9 @@ def test_a_static_batchs_tail_keeps_speculation_off_where_it_loses(tails, monkey
     """Batches of 16 rows of 64 tokens on a model of the paying pair at 16 rows in float32 on the
     2-core VM (plain steps 28 ms and 1.5 ms a row; gamma 2 and 3 at 2.2 and 2.46 of that, as
     traced), acceptance 0.7: every fixed gamma loses 8 % or more, as the batch waits for its
-    slowest row. Priced at each row's mean yield, auto speculated and ran at 0.946x plain steps
+    slowest row. Priced at each row's mean yield, auto speculated and ran at 0.963x plain steps
     (4 runs of 4 batches; 0.912x ar on the pair itself at 48 rows); with the slowest row's lag,
-    0.977x."""
+    0.986x."""
     if not tails:
         monkeypatch.setattr(policy_module, "tail_share", lambda *args: 1.0)
 
@@ -161,7 +161,7 @@ def test_a_static_batchs_tail_keeps_speculation_off_where_it_loses(tails, monkey
         plain.choose = lambda *args, **kwargs: 0
         ratios.append(sum(decode_batches(plain, 0.7, seconds, [[64] * 16] * 4, seed))
                       / sum(decode_batches(GammaPolicy(gamma_max=8), 0.7, seconds, [[64] * 16] * 4, seed)))
-    assert (sum(ratios) / len(ratios) > 0.97) == tails
+    assert (sum(ratios) / len(ratios) > 0.975) == tails
 
 
 def simulate(policy: GammaPolicy, alpha_of_step, cost, steps: int, seed: int = 0, catch_up: float = 0.0) -> list[int]:
@@ -216,6 +216,23 @@ def test_a_gamma_timed_slow_once_is_re_timed(retimes, monkeypatch):
     late = simulate(policy, lambda step: 0.8, lambda g: costs[g], steps=600)[-200:]
     assert (late.count(2) > 0.9 * len(late)) == retimes
     assert (late.count(1) > 0.9 * len(late)) != retimes
+
+
+def test_gammas_never_timed_leave_the_re_timings_to_those_timed():
+    """gamma 1 is the best (1.6 tokens at alpha 0.6 for 1.25 plain steps: 1.28x) but was timed
+    once at 2 s, so gamma 2 (1.19x) runs; gammas 3 to 8 were never timed at this batch size. The
+    re-timings go to the costs that were timed, the plain step's and then gamma 1's, which comes
+    back (at step 65 of 1000); counted as the oldest, the gammas never timed took them first, 3 to
+    7 (a step each, 16 or more apart, on a budget their dearer prices made slower), and gamma 1
+    came back at step 408."""
+    cost = lambda g: 0.85 + 0.4 * g if g else 1.0  # noqa: E731
+    policy = GammaPolicy(gamma_max=8)
+    timed(policy, lambda g: 2.0 if g == 1 else cost(g), gammas=[0, 1, 2])
+    measured(policy, 0.6)
+    chosen = simulate(policy, lambda step: 0.6, cost, steps=200)
+    assert chosen[:30].count(2) > 20  # gamma 1 looks dear at first
+    late = chosen[-100:]
+    assert late.count(1) > 0.9 * len(late)
 
 
 @pytest.mark.parametrize("retimes", [True, False])
@@ -285,8 +302,8 @@ def test_timings_far_over_their_estimate_are_held_until_confirmed(holds, monkeyp
     read 34-42 ms and now and then 46-57; one gamma 4 step at 7 rows 202 ms against 108), on
     batches of 16 rows at acceptance 0.85, where gamma 1 is the best fixed choice. Counted, an
     outlier lifts a moving average by a fifth of its excess, or is all of a stale cell's
-    estimate, and auto takes other gammas or plain steps for a while: 0.954x fixed gamma 1 over
-    4 runs of 30 batches. Held until the next timing confirms it: 0.965x."""
+    estimate, and auto takes other gammas or plain steps for a while: 0.962x fixed gamma 1 over
+    4 runs of 30 batches. Held until the next timing confirms it: 0.974x."""
     if not holds:
         monkeypatch.setattr(policy_module, "HOLD", math.inf)
     ratios = []
@@ -303,7 +320,7 @@ def test_timings_far_over_their_estimate_are_held_until_confirmed(holds, monkeyp
             return sum(decode_batches(policy, 0.85, seconds, [list(rows) for rows in lengths], seed))
 
         ratios.append(run(GammaPolicy(gamma_max=8, fixed=1)) / run(GammaPolicy(gamma_max=8)))
-    assert (sum(ratios) / len(ratios) > 0.96) == holds
+    assert (sum(ratios) / len(ratios) > 0.968) == holds
 
 
 @pytest.mark.parametrize("retimes", [True, False])
@@ -312,7 +329,7 @@ def test_plain_costs_timed_in_another_phase_of_the_machine_are_re_timed(retimes,
     does): in its slow phase plain steps cost 1.5x, speculative ones 1.2x, so at acceptance 0.2
     gamma 1 gains 7 % there, and loses 14 % in the fast phase. A plain cost timed in one phase
     would price speculation in the next: re-timing stale plain costs keeps the fast batches over
-    0.9x plain steps (0.96x) and the run over 0.975x (0.98x); without it: 0.85x and 0.93x."""
+    0.955x plain steps (0.973x) and the run over 0.982x (0.991x); without it: 0.937x and 0.973x."""
     if not retimes:
         monkeypatch.setattr(policy_module, "PLAIN_STALE", 10**9)
     rng = random.Random(0)
@@ -325,8 +342,8 @@ def test_plain_costs_timed_in_another_phase_of_the_machine_are_re_timed(retimes,
     plain = [sum(seconds(b, sum(n > t for n in rows), 0) for t in range(max(rows))) for b, rows in enumerate(lengths)]
     auto = decode_batches(GammaPolicy(gamma_max=8), 0.2, seconds, [list(rows) for rows in lengths])
     fast = sum(p for p, s in zip(plain, slow) if not s) / sum(a for a, s in zip(auto, slow) if not s)
-    assert (fast > 0.9) == retimes
-    assert (sum(plain) / sum(auto) > 0.975) == retimes
+    assert (fast > 0.955) == retimes
+    assert (sum(plain) / sum(auto) > 0.982) == retimes
 
 
 @pytest.mark.parametrize("confirms", [True, False])
@@ -336,7 +353,7 @@ def test_a_plain_cost_turned_by_one_slow_timing_is_timed_again(confirms, monkeyp
     rows read 57 ms there, 41-45 after). The plain cost at 8 rows, stale by then, starts again
     from that one timing and makes speculation look best; speculating, it would not be timed
     again in that batch. Timed once more first (the lesser of the two kept), plain steps stay:
-    0.98x the plain steps' time (the slow first steps included); without, 0.94-0.97x. Holding
+    0.988x the plain steps' time (the slow first steps included); without, 0.944x. Holding
     timings over HOLD, which catches most such first steps too, is off: this is the rule alone,
     which also acts where the one timing is under HOLD over, or the first at its batch size."""
     monkeypatch.setattr(policy_module, "HOLD", math.inf)
@@ -434,8 +451,8 @@ def test_a_paying_draft_is_judged_on_more_than_a_handful_of_proposals(trial, fad
     accepted read 0.61 against the prior's 8 at 0.5, gammas' first costs 1.3-1.6x high, plain
     steps won, and alpha faded towards 0.5, under the break-even, for the rest of the run.
     Checking TRIAL proposals first, and fading towards the run's alpha where that is over 0.5,
-    32 runs of 16 rows (after one not counted) average 1.34x plain steps, none under 1.16x;
-    without the first, 1.25x, one at 0.99x; without the second, 1.30x, one at 1.00x."""
+    32 runs of 16 rows (after one not counted) average 1.38x plain steps, none under 1.2x;
+    without the first, 1.30x, one at 0.99x; without the second, 1.35x, one at 1.08x."""
     if not trial:
         monkeypatch.setattr(policy_module, "TRIAL", 0)
     if not fades_up:
@@ -757,8 +774,8 @@ def test_a_step_is_priced_over_the_caches_it_runs_over(learns, monkeypatch):
     more over 120 slots than over 40). Rows of 256 tokens at 8 rows, every step 1.5 % dearer
     per 10 slots (x 1.47 over the batch), acceptance 0.8. Blind to the caches, a cost timed
     early in a batch beside one timed late (or at the last batch's end) prices them apart by
-    the growth, and auto ran at 1.064x plain steps over 4 runs of 4 batches; priced over the
-    caches (growth learned from the timings): 1.099x."""
+    the growth, and auto ran at 1.079x plain steps over 4 runs of 4 batches; priced over the
+    caches (growth learned from the timings): 1.096x."""
     if not learns:
         monkeypatch.setattr(StepCosts, "learn", lambda self, rows, gamma, seconds, context: None)
     growth, ratios = 0.0015, []
@@ -770,7 +787,7 @@ def test_a_step_is_priced_over_the_caches_it_runs_over(learns, monkeypatch):
         auto = sum(decode_batches(GammaPolicy(gamma_max=8), 0.8, lambda batch, rows, gamma: paying_step(rows, gamma),
                                   [list(rows) for rows in lengths], seed, growth=growth))
         ratios.append(plain / auto)
-    assert (sum(ratios) / len(ratios) > 1.08) == learns
+    assert (sum(ratios) / len(ratios) > 1.088) == learns
 
 
 def test_gammas_above_those_timed_are_priced_along_the_gammas_over_0():

@@ -83,8 +83,8 @@ per second; gamma 0 is a plain target step, the draft sits out.
   from the speculative steps that made most timings, a plain step over a batch's first caches
   was priced at 17.8 ms where it took 23.4, and auto took plain steps through most of that
   batch where fixed gamma 2 ran 1.15x ar. Simulated with rows of 256 tokens at 8 rows, each
-  step 1.5 % dearer per 10 slots, acceptance 0.8: auto ran at 1.064x plain steps blind to the
-  caches, 1.099x priced over them (tests/test_policy.py).
+  step 1.5 % dearer per 10 slots, acceptance 0.8: auto ran at 1.079x plain steps blind to the
+  caches, 1.096x priced over them (tests/test_policy.py).
 - Speculation is chosen only when it promises MARGIN more work per second than a plain step:
   the costs are noisy timings, and the best of noisy estimates is the one most likely
   underestimated (the optimizer's curse), so a gain promised within the noise is more often a
@@ -118,7 +118,7 @@ per second; gamma 0 is a plain target step, the draft sits out.
   75 ms in one, 115 in the next, gamma 1's 105 and 125), and plain costs timed in a slow phase
   kept a batch speculating at 0.9x plain steps in the fast one after it. Simulated with phases
   drawn at random per batch, where gamma 1 loses 14 % in one (tests/test_policy.py), this took
-  auto from 0.93x to 0.98x plain steps; it costs a strongly paying pair under 1 %.
+  auto from 0.973x to 0.991x plain steps; it costs a strongly paying pair under 1 %.
 - A plain cost that one timing alone turned against speculation (a stale cell that started
   again from it, where the cost it replaced had plain steps win) is timed once more before
   speculation goes on it, and the lesser of the two stands. Speculating, a plain step is not
@@ -662,6 +662,12 @@ class GammaPolicy:
         steps after the last re-timing at least, once the steps since the last have earned
         PROBE_BUDGET each of its estimated loss against best. A cost is updated only when its
         gamma runs, so a slow timing (a busy machine, new shapes) would otherwise stand for good.
+        Gammas never timed at `rows` are not re-timed: they are priced off those that were, and
+        tried when that price makes them best. Counted as the oldest, they took the budget: traced
+        on a paying pair at 16 rows in bfloat16 (8 runs of a batch), gamma 1 was timed at 53-75 ms
+        in a slow phase and then priced over gamma 2 (57-65 ms) for the rest of the run, the
+        re-timings there going to gammas 4 and 5 (98 and 93 ms), where fixed gamma 1 ran at
+        39-55 ms a step and was the fastest method.
         A plain step not timed at `rows` in PLAIN_STALE timings comes first, on a budget of its
         own that keeps what it did not spend (ready when a phase of the machine ends): whether
         to speculate at all turns on its cost, and the many gammas > 0 would spend the shared
@@ -674,9 +680,10 @@ class GammaPolicy:
         if self.costs.timings - self.costs.timed_at.get((rows, 0), 0) > PLAIN_STALE and self.plain_credit >= plain_loss:
             self.since_retime, self.plain_credit, self.tree = 0, self.plain_credit - plain_loss, False
             return 0
-        others = [c for c in choices if (c.gamma, c.tree) != (best.gamma, best.tree)]
-        oldest = min(others, key=lambda c: (self.tree_costs if c.tree else self.costs).timed_at.get((rows, c.gamma), 0))
-        if self.credit < loss(oldest, best):
+        timed_at = lambda c: (self.tree_costs if c.tree else self.costs).timed_at.get((rows, c.gamma))  # noqa: E731
+        others = [c for c in choices if (c.gamma, c.tree) != (best.gamma, best.tree) and timed_at(c) is not None]
+        oldest = min(others, key=timed_at, default=None)
+        if oldest is None or self.credit < loss(oldest, best):
             return best.gamma
         self.since_retime, self.credit, self.tree = 0, 0.0, oldest.tree
         return oldest.gamma
