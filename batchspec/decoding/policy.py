@@ -561,6 +561,10 @@ class GammaPolicy:
     def auto(self) -> bool:
         return self.fixed is None
 
+    def costs_of(self, tree: bool) -> StepCosts:
+        """The step costs of trees, or of chains and plain steps."""
+        return self.tree_costs if tree else self.costs
+
     @property
     def catch_up(self) -> float | None:
         """Seconds a step spends per row and token the draft skipped (None before any catch-up was
@@ -680,7 +684,7 @@ class GammaPolicy:
         if self.costs.timings - self.costs.timed_at.get((rows, 0), 0) > PLAIN_STALE and self.plain_credit >= plain_loss:
             self.since_retime, self.plain_credit, self.tree = 0, self.plain_credit - plain_loss, False
             return 0
-        timed_at = lambda c: (self.tree_costs if c.tree else self.costs).timed_at.get((rows, c.gamma))  # noqa: E731
+        timed_at = lambda c: self.costs_of(c.tree).timed_at.get((rows, c.gamma))  # noqa: E731
         others = [c for c in choices if (c.gamma, c.tree) != (best.gamma, best.tree) and timed_at(c) is not None]
         oldest = min(others, key=timed_at, default=None)
         if oldest is None or self.credit < loss(oldest, best):
@@ -724,7 +728,7 @@ class GammaPolicy:
         if gamma and behind > 1:  # priced against the next step, if it takes the same gamma at as many rows
             self.caught = (rows, gamma, tree, seconds, behind)
             return
-        (self.tree_costs if tree else self.costs).add(rows, gamma, seconds, context)
+        self.costs_of(tree).add(rows, gamma, seconds, context)
         if self.caught and self.caught[:3] == (rows, gamma, tree):
             caught_seconds, caught_behind = self.caught[3:]
             read = rows * caught_behind  # row-tokens
