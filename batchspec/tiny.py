@@ -131,8 +131,10 @@ def shallow(model, layers: int, nudge: float):
     their own; every matrix and bias of `model`'s later layers is scaled by `nudge` (in place),
     so that those layers nudge what the first ones compute rather than rewrite it: the smaller
     `nudge`, the more often the shallow copy agrees (0: always)."""
-    config = model.config.__class__.from_dict(model.config.to_dict())
-    config.num_hidden_layers = layers
+    fields = {**model.config.to_dict(), "num_hidden_layers": layers}
+    if fields.get("layer_types"):  # one entry a layer (full or sliding attention)
+        fields["layer_types"] = fields["layer_types"][:layers]
+    config = model.config.__class__.from_dict(fields)
     copy = type(model)(config)
     with torch.no_grad():
         for name, weight in model.named_parameters():

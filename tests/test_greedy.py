@@ -259,6 +259,19 @@ def test_shallow_draft_still_exact(case):
     assert sum(s["accepted_tokens"] for s in stats) >= 0.99 * sum(s["draft_tokens"] for s in stats) - 3 * len(prompts)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_shallow_draft_is_saved_and_loaded_back(tiny_pair, family):
+    """build_pair(draft_layers=) writes the target's first layer as a model of its own, which loads
+    back and decodes exactly (configs that list a type per layer, as Qwen 2's, keep its one entry:
+    saving checks that they match)."""
+    target_path, draft_path = tiny_pair(family, draft_layers=1)
+    pair = load_pair(str(target_path), str(draft_path), dtype="float32", device="cpu")
+    assert pair.draft.config.num_hidden_layers == 1
+    prompts = random_prompts(len(pair.tokenizer), [3, 40, 9])
+    out = decode(pair, pair.draft, prompts, gamma=3)
+    assert [r.token_ids for r in out.rows] == [reference(pair.target, p, pair.eos_token_ids) for p in prompts]
+
+
 @pytest.mark.parametrize("family", ["mistral", "gemma2"])
 def test_sliding_window_counts_true_positions(tiny_pair, family):
     """Windows of 12 tokens, rows of up to 160: the window is counted in each row's own positions,
