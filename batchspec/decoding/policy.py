@@ -104,6 +104,21 @@ per second; gamma 0 is a plain target step, the draft sits out.
   draft's catch-up, timed apart (below), so it measures alpha alone: the step after it takes
   the same gamma and is timed as that gamma, or a gamma whose cost was timed high once (a
   batch size's first shapes) would keep plain steps on through every probe.
+- A probe's loss is priced with the cost the probe is there to time: a gamma timed once at this
+  B (or never: priced off other cells) prices none, and its probe comes on the doubling schedule
+  alone; and a gamma's second timing at a B replaces its first if lower. A first timing is the
+  least sure (a shape's first run, a stall in it), and at 8 rows or more the trial's few steps
+  each try another gamma, so that every gamma's price can be a first timing when plain steps
+  win; their loss then priced the first probe some 250 plain steps on, the draft's catch-up in
+  it, past the bench's runs. Seen once in 7 bench runs of a Qwen 2 pair built like the paying
+  one (hidden 512, 8 layers, a one-layer draft) at batch 8 in float32: auto ran plain steps
+  through its timed runs (0.96x ar, where fixed gamma 3 ran 1.18x). Simulated (8 rows, alpha
+  0.74, gamma 2 and 3 paying about 1.25x, each cell's first timing 1.3-1.6x, 5 % or 15 % of
+  steps stalled 1.3-2x, a warm-up batch and four more): 2 and 4 of 200 runs ended their first
+  batch on plain steps and kept them through the next four; with one of the two rules 1 and 1,
+  with both none. Elsewhere they change little (the simulations of tests/test_policy.py; at batch
+  1 with phases, 40 runs, 0.979x to 0.977x fixed gamma 1), and a useless draft's probes still
+  cost about 1 % (a probe's loss is priced once its gamma was timed twice).
 - While a gamma > 0 wins, another choice, a plain step included, is re-timed now and then: the
   one timed longest ago at this B, at least RETIME_GAP steps apart and within the same 1%
   budget of its estimated loss. A cost is updated only when its gamma runs, and one slow
@@ -325,7 +340,8 @@ class StepCosts:
     steps, each over scale(the slots its cache held), and estimates for cells not timed
     yet. A cell not timed in RETIME_GAP timings starts again from the new one; a plain step's
     second timing since then replaces the first if lower (it confirms a cost that turned the
-    choice to speculation: see GammaPolicy.choose). A timing over HOLD above its cell's estimate
+    choice to speculation: see GammaPolicy.choose), and so does a gamma's second timing ever
+    (confirming). A timing over HOLD above its cell's estimate
     is held: it counts only if the cell's next timing is over that too (the lesser of the two
     counts then), and is dropped if not."""
 
@@ -392,7 +408,7 @@ class StepCosts:
             if gamma == 0 and self.cells:
                 self.replaced[rows] = self.estimates(rows, 0)[0]
             new = seconds
-        elif gamma == 0 and self.plain_timings[rows] == 1:
+        elif self.confirming(rows, gamma):
             new = min(old, seconds)
         else:
             new = old + self.weight * (seconds - old)
@@ -408,6 +424,17 @@ class StepCosts:
         total, steps = self.sums.get((rows, gamma), (0.0, 0))
         self.sums[rows, gamma] = (total + seconds, steps + 1)
         self.learn(rows, gamma, raw, context)
+
+    def timings_of(self, rows: int, gamma: int) -> int:
+        """How many steps the run timed at (rows, gamma)."""
+        return self.sums.get((rows, gamma), (0.0, 0))[1]
+
+    def confirming(self, rows: int, gamma: int) -> bool:
+        """Whether the next timing at (rows, gamma), unless it restarts the cell, is one whose lesser
+        with the cell's estimate stands: a plain step's second since its cell (re)started (see
+        GammaPolicy.choose), a gamma's second ever (a shape's first run, or a stall in it, priced
+        it: see probes in the module's notes)."""
+        return self.plain_timings[rows] == 1 if gamma == 0 else self.timings_of(rows, gamma) == 1
 
     def unconfirmed(self, rows: int, seconds: float) -> float:
         """The plain estimate at `rows` that its one timing since its cell (re)started replaced,
@@ -653,13 +680,19 @@ class GammaPolicy:
         probe = max((c for c in choices if c.gamma), key=lambda c: c.rate)
         steps = 2 if behind > 1 else 1  # after a catch-up, one more step times the probe's gamma
         loss = (steps * (probe.seconds - probe.lone) + catch_up) / costs[0]  # in plain steps: cost - work
-        if self.plain_steps < max(self.probe_gap, loss / PROBE_BUDGET):
+        wait = max(self.probe_gap, loss / PROBE_BUDGET) if self.priced(rows, probe) else self.probe_gap
+        if self.plain_steps < wait:
             return 0
         self.plain_steps, self.probe_gap = 0, min(2 * self.probe_gap, PROBE_LAST)
         self.tree = probe.tree
         if steps == 2:
             self.probing = (probe.gamma, probe.tree)
         return probe.gamma
+
+    def priced(self, rows: int, choice: Choice) -> bool:
+        """Whether the choice's cost at `rows` was timed twice at least, so that it may price the
+        loss of a probe of it (see probes in the module's notes)."""
+        return self.costs_of(choice.tree).timings_of(rows, choice.gamma) >= 2
 
     def retime(self, rows: int, best: Choice, choices: list[Choice]) -> int:
         """best's gamma, or another choice's: the one timed longest ago at `rows`, RETIME_GAP
