@@ -7,7 +7,9 @@ a warm-up batch first (not timed), then `repeats` passes over the batches (more 
 of few batches, so that every method is timed in `min_runs` runs of a batch), interleaved batch by
 batch (every method decodes a batch before any decodes the next, every other time in reverse
 order), so that a machine whose speed drifts over minutes slows all methods alike; a cell's time
-is its batches' times, each batch's fastest run counting. Bare forwards, which price the ideal, take a turn
+is its batches' times, each batch's fastest run counting (tok/s), and one method's speed over
+another's (x ar, x hf, the verdicts, the best config) is the median over passes of their times'
+ratio in the same pass (faster). Bare forwards, which price the ideal, take a turn
 on a few batches of each pass too. Each speculative method keeps one gamma policy
 for the whole cell, as a job keeps one for its run, so auto is timed as it runs once it has
 measured its step costs. Tokens/s counts each row's own completion tokens.
@@ -427,6 +429,16 @@ def settle(cell: Cell, runs: list[list[Run]]) -> None:
     cell.peak_mib = max((run.peak_mib for batch in runs for run in batch if run.peak_mib is not None), default=None)
 
 
+def faster(cell: Cell, other: Cell) -> float:
+    """How many times as fast as `other` `cell` ran: the median over passes of other's time over
+    cell's in that pass. Both decoded every batch of a pass side by side, so a slow phase of the
+    machine that touched the pass slowed both, where each cell's fastest runs (its tok/s) may
+    come from passes minutes apart. Traced at batch 16 on the 2-core VM (8-10 passes of ar,
+    auto and fixed gammas), over every 4 of the passes the ratio of the fastest runs moved by a
+    standard deviation of 0.04-0.10, the median of the passes' ratios by 0.02-0.07, about half."""
+    return statistics.median(theirs / ours for ours, theirs in zip(cell.times, other.times))
+
+
 class PeakMemory:
     """The most memory (MiB) a block of work held above what was held when it began: the CUDA
     allocator's peak on a GPU; on CPU the process's resident set at its high-water mark, which
@@ -479,9 +491,9 @@ def table(cells: list[Cell]) -> str:
         row_cells = [c for c in cells if c.batch_size == size]
         ar, hf = (next(c for c in row_cells if c.method == m) for m in (AR, HF))
         for c in row_cells:
-            speedup = c.rate / ar.rate
+            speedup = faster(c, ar)
             lines.append("| " + " | ".join([
-                str(size), c.method, f"{c.rate:.1f}", f"{speedup:.2f}", f"{c.rate / hf.rate:.2f}",
+                str(size), c.method, f"{c.rate:.1f}", f"{speedup:.2f}", f"{faster(c, hf):.2f}",
                 f"{len(c.outputs) - len(c.mismatches)}/{len(c.outputs)}", fmt(c.alpha), fmt(c.accepted_length),
                 c.gammas_used(), fmt(c.ideal), fmt(speedup / c.ideal if c.ideal else None),
             ]) + " |")
@@ -522,7 +534,7 @@ def result_rows(cells: list[Cell], jsd: float | None) -> list[dict]:
             "gamma": "" if c.gamma is None else c.gamma, "tokens_per_s": c.rate,
             "tokens_per_s_median": c.tokens / median,
             "spread": (max(c.times) - min(c.times)) / median, "seconds_per_row": median / len(c.outputs),
-            "speedup_vs_ar": c.rate / ar.rate, "alpha": c.alpha, "accepted_length": c.accepted_length,
+            "speedup_vs_ar": faster(c, ar), "alpha": c.alpha, "accepted_length": c.accepted_length,
             "target_forwards_per_token": c.forwards / c.tokens if c.tokens else None,
             "wasted_cache_fraction": c.wasted, "peak_memory_mib": c.peak_mib, "rows": len(c.outputs),
             "rows_equal_ar": len(c.outputs) - len(c.mismatches), "first_mismatch_row": first.get("row"),
@@ -534,34 +546,34 @@ def result_rows(cells: list[Cell], jsd: float | None) -> list[dict]:
 
 def verdicts(cells: list[Cell]) -> str:
     """Per batch size: the fastest method, each drafter's auto against ar, and the model's auto
-    against its best fixed gamma."""
+    against its best fixed gamma (each ratio: faster)."""
     lines = []
     for size in sorted({c.batch_size for c in cells}):
-        row_cells = [c for c in cells if c.batch_size == size]
-        rate = {c.method: c.rate for c in row_cells}
-        best = max(row_cells, key=lambda c: c.rate)
-        fixed = max((c for c in row_cells if c.method.startswith("spec gamma=")), key=lambda c: c.rate, default=None)
-        line = f"batch {size}: fastest {best.method} ({best.rate / rate[AR]:.2f}x ar)"
-        line += "".join(f"; {m} {rate[m] / rate[AR]:.2f}x ar" for m in DRAFTERS.values() if m in rate)
-        if fixed and AUTO in rate:
-            line += f", {rate[AUTO] / fixed.rate:.2f}x the best fixed ({fixed.method})"
-        trees = [c for c in row_cells if c.config.tree_width > 1]
+        cell = {c.method: c for c in cells if c.batch_size == size}
+        over = lambda a, b: faster(cell[a], cell[b])  # noqa: E731
+        best = max(cell, key=lambda m: over(m, AR))
+        fixed = max((m for m in cell if m.startswith("spec gamma=")), key=lambda m: over(m, AR), default=None)
+        line = f"batch {size}: fastest {best} ({over(best, AR):.2f}x ar)"
+        line += "".join(f"; {m} {over(m, AR):.2f}x ar" for m in DRAFTERS.values() if m in cell)
+        if fixed and AUTO in cell:
+            line += f", {over(AUTO, fixed):.2f}x the best fixed ({fixed})"
+        trees = [c for c in cell.values() if c.config.tree_width > 1]
         if trees:
-            tree = max(trees, key=lambda c: c.rate)
-            chain = AUTO if tree.gamma == "auto" else f"spec gamma={tree.gamma}"
-            line += f"; fastest tree {tree.method} {tree.rate / rate[chain]:.2f}x the chain ({chain})"
-        line += "".join(f"; {m}{WITH_OPTIONS} {rate[m + WITH_OPTIONS] / rate[m]:.2f}x without"
-                        for m in (AR, AUTO) if m + WITH_OPTIONS in rate)
-        if AR + SCHEMA in rate:
-            masked = next(c for c in row_cells if c.method == AR + SCHEMA)
-            line += (f"; {AR}{SCHEMA} {rate[AR + SCHEMA] / rate[AR]:.2f}x ar "
+            tree = max(trees, key=lambda c: over(c.method, AR)).method
+            chain = AUTO if cell[tree].gamma == "auto" else f"spec gamma={cell[tree].gamma}"
+            line += f"; fastest tree {tree} {over(tree, chain):.2f}x the chain ({chain})"
+        line += "".join(f"; {m}{WITH_OPTIONS} {over(m + WITH_OPTIONS, m):.2f}x without"
+                        for m in (AR, AUTO) if m + WITH_OPTIONS in cell)
+        if AR + SCHEMA in cell:
+            masked = cell[AR + SCHEMA]
+            line += (f"; {AR}{SCHEMA} {over(AR + SCHEMA, AR):.2f}x ar "
                      f"(masks {1e6 * masked.mask_seconds / masked.tokens:.0f} us/token)")
-        if AUTO + SCHEMA in rate:
-            line += (f", {AUTO}{SCHEMA} {rate[AUTO + SCHEMA] / rate[AR + SCHEMA]:.2f}x it, "
-                     f"{rate[AUTO + SCHEMA] / rate[AUTO + NO_JUMP]:.2f}x without jump-forward")
-        shared = next((c for c in row_cells if c.samples > 1 and c.config.share_prefill), None)
+        if AUTO + SCHEMA in cell:
+            line += (f", {AUTO}{SCHEMA} {over(AUTO + SCHEMA, AR + SCHEMA):.2f}x it, "
+                     f"{over(AUTO + SCHEMA, AUTO + NO_JUMP):.2f}x without jump-forward")
+        shared = next((c for c in cell.values() if c.samples > 1 and c.config.share_prefill), None)
         if shared:
-            line += f"; {shared.method} {shared.rate / rate[copies(shared.samples)]:.2f}x {shared.samples} copies"
+            line += f"; {shared.method} {over(shared.method, copies(shared.samples)):.2f}x {shared.samples} copies"
         lines.append(line)
     return "\n".join(lines)
 

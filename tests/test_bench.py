@@ -14,7 +14,8 @@ from click.testing import CliRunner
 from PIL import Image
 
 from batchspec import bench as bench_module
-from batchspec.bench import AUTO, Cell, ForwardCosts, PeakMemory, bench, best_of, geometric_alpha, ideal_speedup, interleaved, settle, Run
+from batchspec.bench import (AR, AUTO, Cell, ForwardCosts, PeakMemory, Run, bench, best_of, faster, geometric_alpha,
+                             ideal_speedup, interleaved, settle, verdicts)
 from batchspec.decoding import DecodeConfig
 from batchspec.bench_files import COLUMNS
 from batchspec.cli import main
@@ -119,7 +120,7 @@ def test_bench_files_plots_and_best_configs(tiny_pair, tmp_path):
     for size in (1, 2):
         path = tmp_path / f"best-b{size}.toml"
         fastest = max((r for r in rows if r["batch_size"] == str(size) and r["method"] in ("ar", "spec", "ngram")),
-                      key=lambda r: float(r["tokens_per_s"]))
+                      key=lambda r: float(r["speedup_vs_ar"]))
         printed = CliRunner().invoke(main, ["run", "in.jsonl", "--out", "o.jsonl", "--config", str(path),
                                             "--print-config"]).output
         assert f"batch_size = {size}" in printed and f'target = "{target}"' in printed
@@ -289,6 +290,20 @@ def test_each_batchs_fastest_run_counts():
     assert cell.times == [4.0, 6.0] and cell.seconds == 3.0 and cell.rate == 1.0
     assert cell.outputs == [[1], [2, 3]] and cell.stats == [{"s": "a1"}, {"s": "b0"}]
     assert cell.forwards == 6 and cell.peak_mib == 7.0
+
+
+def test_speeds_are_compared_pass_by_pass():
+    """x ar and the verdicts take the median over passes of the two methods' times' ratio in the
+    same pass: a pass that ran slow for both (a slow phase of the machine) weighs on neither, where
+    the fastest runs' ratio (tok/s) would compare ar's run in the fast pass with auto's in another."""
+    config = DecodeConfig(max_new_tokens=4)
+    ar = Cell(8, AR, config, times=[2.0, 4.0, 3.0])
+    auto = Cell(8, AUTO, config, times=[2.5, 3.2, 2.4])  # ratios to ar 0.8, 1.25, 1.25
+    fixed = Cell(8, "spec gamma=1", config, times=[2.0, 3.6, 2.5])  # 1.0, 1.11, 1.2
+    assert faster(auto, ar) == pytest.approx(1.25) and faster(ar, auto) == pytest.approx(0.8)
+    assert min(ar.times) / min(auto.times) < 1  # the fastest runs' ratio reads auto slower
+    assert verdicts([ar, auto, fixed]) == ("batch 8: fastest spec auto (1.25x ar); spec auto 1.25x ar, "
+                                           "1.04x the best fixed (spec gamma=1)")
 
 
 def test_peak_memory_sees_an_allocation_freed_before_the_block_ends():
