@@ -269,7 +269,8 @@ def int_list(text: str, name: str) -> list[int]:
 @option("--gamma-max", type=click.IntRange(1, 64), default=8, help="The most draft tokens auto proposes.")
 @option("--max-new-tokens", type=click.IntRange(1), default=64, help="Most tokens generated per row.")
 @option("--repeats", type=click.IntRange(1), default=2,
-        help="Timed passes, interleaved batch by batch; each batch's fastest run counts (tok/s); speeds are compared pass by pass.")
+        help="Timed passes, interleaved batch by batch; each batch's fastest run counts (tok/s), "
+             "and methods' speeds are compared pass by pass.")
 @option("--min-runs", type=click.IntRange(1), default=4,
         help="Each method's timed runs of a batch at every batch size, at least: passes are added at a batch size "
         "with fewer batches than that over --repeats (one batch's runs move by 10-15 % on a noisy machine).")
