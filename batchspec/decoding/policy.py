@@ -115,8 +115,8 @@ per second; gamma 0 is a plain target step, the draft sits out.
   through its timed runs (0.96x ar, where fixed gamma 3 ran 1.18x). Simulated (8 rows, alpha
   0.74, gamma 2 and 3 paying about 1.25x, each cell's first timing 1.3-1.6x, 5 % or 15 % of
   steps stalled 1.3-2x, a warm-up batch and four more): 2 and 4 of 200 runs ended their first
-  batch on plain steps and kept them through the next four; with one of the two rules 1 and 1,
-  with both none. Elsewhere they change little (the simulations of tests/test_policy.py; at batch
+  batch on plain steps and kept them through the next four; with the probes' rule alone 1 and 1,
+  the second timing's alone 1 and 5, both none. Elsewhere they change little (the simulations of tests/test_policy.py; at batch
   1 with phases, 40 runs, 0.979x to 0.977x fixed gamma 1), and a useless draft's probes still
   cost about 1 % (a probe's loss is priced once its gamma was timed twice).
 - While a gamma > 0 wins, another choice, a plain step included, is re-timed now and then: the
