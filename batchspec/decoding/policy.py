@@ -110,15 +110,15 @@ per second; gamma 0 is a plain target step, the draft sits out.
   least sure (a shape's first run, a stall in it), and at 8 rows or more the trial's few steps
   each try another gamma, so that every gamma's price can be a first timing when plain steps
   win; their loss then priced the first probe some 250 plain steps on, the draft's catch-up in
-  it, past the bench's runs. Seen once in 7 bench runs of a Qwen 2 pair built like the paying
+  it, past the bench's runs. Seen once in 8 bench runs of a Qwen 2 pair built like the paying
   one (hidden 512, 8 layers, a one-layer draft) at batch 8 in float32: auto ran plain steps
   through its timed runs (0.96x ar, where fixed gamma 3 ran 1.18x). Simulated (8 rows, alpha
   0.74, gamma 2 and 3 paying about 1.25x, each cell's first timing 1.3-1.6x, 5 % or 15 % of
   steps stalled 1.3-2x, a warm-up batch and four more): 2 and 4 of 200 runs ended their first
   batch on plain steps and kept them through the next four; with the probes' rule alone 1 and 1,
-  the second timing's alone 1 and 5, both none. Elsewhere they change little (the simulations of tests/test_policy.py; at batch
-  1 with phases, 40 runs, 0.979x to 0.977x fixed gamma 1), and a useless draft's probes still
-  cost about 1 % (a probe's loss is priced once its gamma was timed twice).
+  the second timing's alone 1 and 5, both none. Elsewhere they change little (the simulations
+  of tests/test_policy.py; at batch 1 with phases, 40 runs, 0.979x to 0.977x fixed gamma 1), and
+  a useless draft's probes still cost about 1 % (its gamma, timed twice, prices them).
 - While a gamma > 0 wins, another choice, a plain step included, is re-timed now and then: the
   one timed longest ago at this B, at least RETIME_GAP steps apart and within the same 1%
   budget of its estimated loss. A cost is updated only when its gamma runs, and one slow
