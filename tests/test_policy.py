@@ -876,6 +876,63 @@ def test_a_batch_size_of_plain_steps_borrows_the_costs_of_the_nearest_with_a_lin
     assert policy.choose(15, expected_tokens([0.44] * 15, [40] * 15, 8)) == 0
 
 
+def test_a_batch_size_prices_itself_once_known():
+    """Rows end and 13 rows step: their first plain step took 150 ms (a shape's first run) and
+    gamma 1 130 ms, where 16 rows, known (each timed twice), cost 100 and 130 ms. 13 rows are
+    priced off 16's ratio (gamma 1 at 1.3 plain steps, not 0.87) until their plain step and a
+    gamma were each timed twice there (the second timing the lesser); 12 rows, never timed, then
+    borrow from 13, the nearest known."""
+    costs = StepCosts()
+    for gamma, seconds in [(0, 0.100), (1, 0.130)] * 2:
+        costs.add(16, gamma, seconds)
+    costs.add(13, 0, 0.150)
+    costs.add(13, 1, 0.130)
+    assert costs.known(16) and not costs.known(13)
+    at_13 = costs.estimates(13, 4)
+    assert at_13[1] / at_13[0] == pytest.approx(1.3)
+    costs.add(13, 0, 0.100)
+    costs.add(13, 1, 0.128)
+    assert costs.known(13)
+    for rows in (13, 12):
+        estimates = costs.estimates(rows, 4)
+        assert estimates[1] / estimates[0] == pytest.approx(1.28)
+
+
+@pytest.mark.parametrize("known", [True, False], ids=["priced off known sizes", "priced off any timing"])
+def test_the_sizes_a_batch_shrinks_to_are_priced_off_known_ones(known, monkeypatch):
+    """A warm-up batch of 16 rows and 4 more, 11 rows of 64 tokens and 5 of 8 to 64 each,
+    acceptance 0.35; plain steps 98-121 ms at 11 to 16 rows (as the embedded pair's in float32:
+    no cheaper with fewer rows), gamma 1 1.3x that and 0.35x more a proposal (gamma 1 loses 3 %),
+    each cell's first timing 1.3-1.6x, 5 % of steps 1.3-2x. Priced off known sizes, auto runs at
+    0.963x plain steps (12 seeds); each size off its own timings, 0.938x (a plain step timed
+    once high priced gamma 1 under a plain step, at that size and, lent, at those under it)."""
+    if not known:
+        monkeypatch.setattr(StepCosts, "known", lambda self, rows: True)
+    plain_at = {11: 0.112, 12: 0.098, 13: 0.107, 14: 0.115, 15: 0.121, 16: 0.107}
+
+    def run(seed: int, policy: GammaPolicy) -> float:
+        rng, first_runs = random.Random(seed + 1000), set()
+
+        def seconds(batch: int, rows: int, gamma: int) -> float:
+            plain = plain_at.get(rows, 0.06 + 0.004 * rows)
+            cost = plain * (1.3 + 0.35 * (gamma - 1)) if gamma else plain
+            if (rows, gamma) not in first_runs:
+                first_runs.add((rows, gamma))
+                cost *= rng.uniform(1.3, 1.6)
+            return cost * (rng.uniform(1.3, 2.0) if rng.random() < 0.05 else 1.0)
+
+        lengths = random.Random(seed)
+        batches = [[64] * 11 + [lengths.randint(8, 64) for _ in range(5)] for _ in range(5)]
+        return sum(decode_batches(policy, 0.35, seconds, batches, seed, catch_up=0.0001, prompt=50)[1:])
+
+    ratios = []
+    for seed in range(12):
+        plain = GammaPolicy(gamma_max=8)
+        plain.choose = lambda *args, **kwargs: 0
+        ratios.append(run(seed, plain) / run(seed, GammaPolicy(gamma_max=8)))
+    assert (sum(ratios) / len(ratios) > 0.95) == known
+
+
 def test_a_timing_far_over_its_estimate_counts_only_if_the_next_one_is_too():
     """A timing over HOLD above its cell's estimate (an outlier: the machine busy for a moment)
     is held; the cell's next timing drops it (under HOLD over) or confirms it (over too: the

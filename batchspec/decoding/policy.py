@@ -70,6 +70,17 @@ per second; gamma 0 is a plain target step, the draft sits out.
   while the plain step cost over STALE (2) times what it costs now is priced at no more than
   that estimate, until timed again (StepCosts.current): timed on a slower machine, its cost would
   keep it out for good, where plain steps win and no probe can afford it.
+- A batch size prices its steps off its own cells once it is known: its plain step and a gamma
+  > 0 each timed there twice (StepCosts.known); until then off the nearest known batch size's,
+  whose ratios are what the choice reads. The batch sizes that a static batch's rows reach as
+  they end are timed a few steps each, and one timing there, a shape's first run or a stall,
+  set the ratio that decides, for that size and, lent, for the sizes under it: simulated on a
+  batch of 16 rows whose rows end at different lengths (11 at 64 tokens), plain steps 98-121 ms
+  at 11 to 16 rows (as traced on the embedded pair in float32: no cheaper with fewer rows),
+  gamma 1 1.3x that and 0.35x more a proposal, each cell's first timing 1.3-1.6x, 5 % of steps
+  1.3-2x: at a plain step timed once high, gamma 1 was priced at 0.9 plain steps, and auto ran
+  at 0.941x plain steps at alpha 0.35 (gamma 1: 0.974x) over a warm-up batch and 4 more (40
+  seeds), 0.946x at alpha 0.5 (gamma 1: 1.08x); priced off known sizes, 0.962x and 0.975x.
 - A step costs more the longer the caches its queries attend over, and a batch's caches grow
   by a slot or more every step. Cells timed at different points of a batch were priced apart
   by that: the plain cost timed at a batch's start beside gamma's late in it, or the other
@@ -449,17 +460,27 @@ class StepCosts:
         return total / steps if steps >= KEEP_EVIDENCE else None
 
     def estimates(self, rows: int, gamma_max: int) -> list[float] | None:
-        """T(rows, g) for g in 0..gamma_max, or None before any step was timed. A batch size
-        never timed borrows the nearest one's costs: only their ratios matter to the choice.
-        Gammas not timed lie between the timed ones, or along the cost line (StepCosts.fit)
-        beyond them; with one gamma timed, on the costs of the nearest batch size with a line
-        (StepCosts.borrowed)."""
+        """T(rows, g) for g in 0..gamma_max, or None before any step was timed: the costs timed at
+        rows once it is known, else the nearest known batch size's (only their ratios matter to
+        the choice), else, before any is known, those of rows or the nearest batch size timed."""
         if not self.cells:
             return None
-        near = rows if rows in self.cells else min(self.cells, key=lambda b: (abs(math.log(b / rows)), b))
-        timed, everything = self.current(near), self.cells[near]
-        fitted = self.fit(near)
-        guess = self.borrowed(near, gamma_max) if fitted is None else [
+        known = [b for b in self.cells if self.known(b)] or list(self.cells)
+        return self.own(rows if rows in known else min(known, key=lambda b: (abs(math.log(b / rows)), b)), gamma_max)
+
+    def known(self, rows: int) -> bool:
+        """Whether rows' plain step and a gamma > 0 were each timed there twice at least, so that
+        its own cells may price it: one timing of either, a shape's first run or a stall, had set
+        the ratio that decides (see T in the module's notes)."""
+        return self.timings_of(rows, 0) >= 2 and any(g and self.timings_of(rows, g) >= 2 for g in self.cells[rows])
+
+    def own(self, rows: int, gamma_max: int) -> list[float]:
+        """T(rows, g) for g in 0..gamma_max from the cells timed at rows: gammas not timed lie
+        between the timed ones, or along the cost line (StepCosts.fit) beyond them; with one
+        gamma timed, on the costs of the nearest batch size with a line (StepCosts.borrowed)."""
+        timed, everything = self.current(rows), self.cells[rows]
+        fitted = self.fit(rows)
+        guess = self.borrowed(rows, gamma_max) if fitted is None else [
             self.between(timed, g, fitted[1]) for g in range(gamma_max + 1)]  # the timed ones are overridden below
         return [timed[g] if g in timed else min(guess[g], everything.get(g, math.inf)) for g in range(gamma_max + 1)]
 
@@ -474,7 +495,7 @@ class StepCosts:
         lines = [b for b in self.cells if self.fit(b)]
         if not lines:
             return [seconds * (1 + PRIOR_SLOPE * g) / (1 + PRIOR_SLOPE * gamma) for g in range(gamma_max + 1)]
-        other = self.estimates(min(lines, key=lambda b: abs(math.log(b / rows))), max(gamma, gamma_max))
+        other = self.own(min(lines, key=lambda b: abs(math.log(b / rows))), max(gamma, gamma_max))
         return [seconds * cost / other[gamma] for cost in other[: gamma_max + 1]]
 
     def current(self, rows: int) -> dict[int, float]:
