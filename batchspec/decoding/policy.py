@@ -471,7 +471,7 @@ class StepCosts:
     def known(self, rows: int) -> bool:
         """Whether rows' plain step and a gamma > 0 were each timed there twice at least, so that
         its own cells may price it: one timing of either, a shape's first run or a stall, had set
-        the ratio that decides (see T in the module's notes)."""
+        the ratio that decides (see the module's notes)."""
         return self.timings_of(rows, 0) >= 2 and any(g and self.timings_of(rows, g) >= 2 for g in self.cells[rows])
 
     def own(self, rows: int, gamma_max: int) -> list[float]:
