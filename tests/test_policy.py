@@ -1,5 +1,7 @@
 """The gamma policy alone: synthetic acceptance and step costs, no models, no clocks."""
 
+import collections
+import copy
 import itertools
 import math
 import random
@@ -206,11 +208,12 @@ def test_a_perfect_draft_grows_gamma_to_the_most():
 
 @pytest.mark.parametrize("retimes", [True, False])
 def test_a_gamma_timed_slow_once_is_re_timed(retimes, monkeypatch):
-    """gamma 2 is the best (1.63x plain steps) but its first step was timed at 4 s instead of
-    1.5 (a busy machine): re-timing it brings it back; without, gamma 1 (1.38x) stays."""
+    """gamma 2 is the best (1.63x plain steps) but its first two steps were timed at 4 s instead
+    of 1.5 (a busy machine): re-timing it brings it back; without, gamma 1 (1.38x) stays."""
     costs = [1.0, 1.3, 1.5, 2.2]
     policy = GammaPolicy(gamma_max=3)
-    timed(policy, lambda g: 4.0 if g == 2 else costs[g])
+    for _ in range(2):
+        timed(policy, lambda g: 4.0 if g == 2 else costs[g])
     if not retimes:
         monkeypatch.setattr(policy, "retime", lambda rows, best, choices: best.gamma)
     late = simulate(policy, lambda step: 0.8, lambda g: costs[g], steps=600)[-200:]
@@ -221,16 +224,17 @@ def test_a_gamma_timed_slow_once_is_re_timed(retimes, monkeypatch):
 def test_gammas_never_timed_leave_the_re_timings_to_those_timed():
     """gamma 1 is the best (1.6 tokens at alpha 0.6 for 1.25 plain steps: 1.28x) but was timed
     once at 2 s, so gamma 2 (1.19x) runs; gammas 3 to 8 were never timed at this batch size. The
-    re-timings go to the costs that were timed, the plain step's and then gamma 1's, which comes
-    back (at step 65 of 1000); counted as the oldest, the gammas never timed took them first, 3 to
-    7 (a step each, 16 or more apart, on a budget their dearer prices made slower), and gamma 1
-    came back at step 408."""
+    first re-timing goes to a cost that was timed, the plain step's, and gamma 1 comes back after
+    it (its one timing priced no higher than the line through the plain step and gamma 2, each
+    timed twice then: StepCosts.basis); counted as the oldest, the gammas never timed took the
+    re-timings first, 3 to 7 (a step each, 16 or more apart, on a budget their dearer prices made
+    slower), and gamma 1 came back at step 408 of 1000."""
     cost = lambda g: 0.85 + 0.4 * g if g else 1.0  # noqa: E731
     policy = GammaPolicy(gamma_max=8)
     timed(policy, lambda g: 2.0 if g == 1 else cost(g), gammas=[0, 1, 2])
     measured(policy, 0.6)
     chosen = simulate(policy, lambda step: 0.6, cost, steps=200)
-    assert chosen[:30].count(2) > 20  # gamma 1 looks dear at first
+    assert chosen[:RETIME_GAP] == [2] * (RETIME_GAP - 1) + [0]  # gamma 1 looks dear; the plain step is re-timed
     late = chosen[-100:]
     assert late.count(1) > 0.9 * len(late)
 
@@ -442,29 +446,34 @@ def test_a_run_speculates_until_it_has_checked_enough_proposals(trial, monkeypat
     assert speculative == (4 if trial else 0)
 
 
-@pytest.mark.parametrize("trial, fades_up", [(True, True), (False, True), (True, False)])
-def test_a_paying_draft_is_judged_on_more_than_a_handful_of_proposals(trial, fades_up, monkeypatch):
+@pytest.mark.parametrize("trial, fades_up, slow_steps", [(True, True, 1), (False, True, 1), (True, True, 2),
+                                                        (True, False, 2)])
+def test_a_paying_draft_is_judged_on_more_than_a_handful_of_proposals(trial, fades_up, slow_steps, monkeypatch):
     """Batch 1, 64 tokens after each 47-token prompt, acceptance 0.85: gamma 4 at 2.45 plain
-    steps runs 1.42x plain steps. Each gamma's first step is 1.6x slower (new shapes; the plain
-    step's is not: its cost falling after gammas were timed is StepCosts.current's case), and after
-    plain steps the draft first reads the tokens it skipped (0.04 plain steps each), which
-    prices probes within a row out. Traced on a paying pair at batch 1: 4 of 5 proposals
-    accepted read 0.61 against the prior's 8 at 0.5, gammas' first costs 1.3-1.6x high, plain
-    steps won, and alpha faded towards 0.5, under the break-even, for the rest of the run.
-    Checking TRIAL proposals first, and fading towards the run's alpha where that is over 0.5,
-    32 runs of 16 rows (after one not counted) average 1.38x plain steps, none under 1.2x;
-    without the first, 1.30x, one at 0.99x; without the second, 1.35x, one at 1.08x."""
+    steps runs 1.42x plain steps. Each gamma's first step (or first two: slow_steps) is 1.6x
+    slower (new shapes; the plain step's is not: its cost falling after gammas were timed is
+    StepCosts.current's case), and after plain steps the draft first reads the tokens it skipped
+    (0.04 plain steps each), which prices probes within a row out. Traced on a paying pair at
+    batch 1: 4 of 5 proposals accepted read 0.61 against the prior's 8 at 0.5, gammas' first
+    costs 1.3-1.6x high, plain steps won, and alpha faded towards 0.5, under the break-even,
+    for the rest of the run. Checking TRIAL proposals first, and fading towards the run's alpha
+    where that is over 0.5, 32 runs of 16 rows (after one not counted) average 1.42x plain steps,
+    none under 1.27x, with one slow step a gamma (without the first, 1.37x, one at 0.99x); 1.37x,
+    none under 1.18x, with two (without the second, 1.26x, one at 0.99x). With one, a gamma's
+    first timing is priced no higher than the line through those timed twice (StepCosts.basis),
+    so the gammas that pay are soon timed again, and plain steps, along which alpha fades, come
+    seldom: without fading up, 1.40x, none under 1.23x."""
     if not trial:
         monkeypatch.setattr(policy_module, "TRIAL", 0)
     if not fades_up:
         monkeypatch.setattr(GammaPolicy, "alpha", property(lambda p: row_alpha(p.accepted, p.checked, PRIOR_ALPHA)))
     speed_ups = []
     for seed in range(32):
-        timed_once = set()
+        timings = collections.Counter()  # gamma -> its steps so far
 
         def seconds(batch: int, rows: int, gamma: int) -> float:
-            first = 1.6 if gamma and gamma not in timed_once else 1.0
-            timed_once.add(gamma)
+            first = 1.6 if gamma and timings[gamma] < slow_steps else 1.0
+            timings[gamma] += 1
             return first * (1.45 + 0.25 * gamma if gamma else 1.0)
 
         spent = decode_batches(GammaPolicy(gamma_max=8), 0.85, seconds, [[64]] * 17, seed, catch_up=0.04, prompt=47)
@@ -874,6 +883,22 @@ def test_a_batch_size_of_plain_steps_borrows_the_costs_of_the_nearest_with_a_lin
     assert at_15 == pytest.approx([cost * 0.070 / 0.082 for cost in at_16])
     assert at_15[5] > 2.3 * at_15[0]
     assert policy.choose(15, expected_tokens([0.44] * 15, [40] * 15, 8)) == 0
+
+
+def test_a_cell_timed_once_is_priced_no_higher_than_those_timed_twice():
+    """16 rows: the plain step and gamma 2 each timed twice (100 and 165 ms), gamma 1 once at 190
+    ms (a shape's first run; it costs 130). gamma 1 is priced on the line through the other two
+    (132.5 ms), and gamma 3 along it, until its second timing, the lesser of the two, prices it;
+    a second timing as high confirms it."""
+    costs = StepCosts()
+    for gamma, seconds in [(0, 0.100), (2, 0.165)] * 2 + [(1, 0.190)]:
+        costs.add(16, gamma, seconds)
+    assert costs.estimates(16, 3) == pytest.approx([0.100, 0.1325, 0.165, 0.1975])
+    confirmed = copy.deepcopy(costs)
+    costs.add(16, 1, 0.130)
+    assert costs.estimates(16, 3)[1] == pytest.approx(0.130)
+    confirmed.add(16, 1, 0.185)
+    assert confirmed.estimates(16, 3)[1] == pytest.approx(0.185)
 
 
 def test_a_batch_size_prices_itself_once_known():

@@ -66,7 +66,13 @@ per second; gamma 0 is a plain target step, the draft sits out.
   step's one sync: no sync added, and on a GPU it holds the launches and the wait alike). A
   gamma not timed yet at B is estimated from those that were (linear in gamma, the plain step
   left out where it lies under a rising line through the gammas > 0: StepCosts.fit; or carried
-  over from the nearest B), tried when that estimate says it pays, and timed then. A gamma timed
+  over from the nearest B), tried when that estimate says it pays, and timed then. Where two
+  cells at B were timed twice or more, a cell timed once is priced at no more than they say
+  (StepCosts.basis): one timing is the least sure (a shape's first run, a stall), and a gamma
+  priced by it alone is not timed again while others win (simulated on a batch of 16 rows
+  shrinking as its rows end, each cell's first timing 1.3-1.6x, gamma 1 1.08x plain steps: at
+  auto's plain choices where the world's costs said gamma 1, gamma 1 was priced at 1.27x its
+  cost, timed once; auto ran at 0.975x plain steps, 0.988x so). A gamma timed
   while the plain step cost over STALE (2) times what it costs now is priced at no more than
   that estimate, until timed again (StepCosts.current): timed on a slower machine, its cost would
   keep it out for good, where plain steps win and no probe can afford it.
@@ -475,10 +481,11 @@ class StepCosts:
         return self.timings_of(rows, 0) >= 2 and any(g and self.timings_of(rows, g) >= 2 for g in self.cells[rows])
 
     def own(self, rows: int, gamma_max: int) -> list[float]:
-        """T(rows, g) for g in 0..gamma_max from the cells timed at rows: gammas not timed lie
-        between the timed ones, or along the cost line (StepCosts.fit) beyond them; with one
-        gamma timed, on the costs of the nearest batch size with a line (StepCosts.borrowed)."""
-        timed, everything = self.current(rows), self.cells[rows]
+        """T(rows, g) for g in 0..gamma_max from the cells that price rows (StepCosts.basis):
+        the others lie between them, or along the cost line (StepCosts.fit) beyond them, at no
+        more than their own estimates; with one cell, on the costs of the nearest batch size
+        with a line (StepCosts.borrowed)."""
+        timed, everything = self.basis(rows), self.cells[rows]
         fitted = self.fit(rows)
         guess = self.borrowed(rows, gamma_max) if fitted is None else [
             self.between(timed, g, fitted[1]) for g in range(gamma_max + 1)]  # the timed ones are overridden below
@@ -491,7 +498,7 @@ class StepCosts:
         cost to the first proposal's, which a slope alone would drop: traced at 16 rows on the
         embedded pair, plain steps 82 ms and gamma 1 128 ms, the batch's rows ending priced gamma
         1 to 5 at 15 rows at 70-71 ms, as its plain step, and gamma 4 ran at 172 ms."""
-        (gamma, seconds), = self.current(rows).items()
+        (gamma, seconds), = self.basis(rows).items()
         lines = [b for b in self.cells if self.fit(b)]
         if not lines:
             return [seconds * (1 + PRIOR_SLOPE * g) / (1 + PRIOR_SLOPE * gamma) for g in range(gamma_max + 1)]
@@ -511,6 +518,15 @@ class StepCosts:
         plain = timed.get(0, math.inf)  # no plain step timed at rows: none is stale
         return {g: seconds for g, seconds in timed.items()
                 if not g or self.plain_then.get((rows, g), 0.0) <= STALE * plain}
+
+    def basis(self, rows: int) -> dict[int, float]:
+        """The cells that price `rows` (gamma -> seconds): the current ones timed twice at least,
+        where two are, else all current ones. A cell timed once is then priced at no more than
+        those say, so that it is tried where that pays and timed a second time, whose lesser with
+        the first stands (StepCosts.confirming)."""
+        timed = self.current(rows)
+        sure = {g: seconds for g, seconds in timed.items() if self.timings_of(rows, g) >= 2}
+        return sure if len(sure) >= 2 else timed
 
     @staticmethod
     def between(timed: dict[int, float], gamma: int, slope: float) -> float:
@@ -547,7 +563,7 @@ class StepCosts:
         then (traced at 16 rows on the embedded pair: in float32, gamma 1 and 2 at 188 and 180 ms
         priced every gamma above at 180 ms, and gamma 8 ran at 507, 4.4 plain steps; in
         bfloat16, both at 128 ms, a rise of 0.7 ms against plain steps of 82)."""
-        timed = self.current(rows)
+        timed = self.basis(rows)
         drafted = {g: seconds for g, seconds in timed.items() if g}
         if len(drafted) >= 2:
             intercept, slope = line(drafted)
