@@ -549,8 +549,9 @@ class StepCosts:
         return c / (c + d * rows)
 
     def fit(self, rows: int) -> tuple[float, float] | None:
-        """(intercept, slope) of a least-squares line through the gammas > 0 timed at `rows`, and
-        through its plain step too unless the line's intercept is over (1 + OFF_LINE) times it; None
+        """(intercept, slope) of a least-squares line through the gammas > 0 that price `rows`
+        (StepCosts.basis), and through its plain step too unless the line's intercept is over
+        (1 + OFF_LINE) times it; None
         with fewer than two points. A plain step runs no draft and verifies one token: where
         the draft's own cost per step is large, the plain step is off the line, and a line
         through it takes that cost for a cost per proposal (traced at batch 1 on a paying pair:
