@@ -551,8 +551,7 @@ class StepCosts:
     def fit(self, rows: int) -> tuple[float, float] | None:
         """(intercept, slope) of a least-squares line through the gammas > 0 that price `rows`
         (StepCosts.basis), and through its plain step too unless the line's intercept is over
-        (1 + OFF_LINE) times it; None
-        with fewer than two points. A plain step runs no draft and verifies one token: where
+        (1 + OFF_LINE) times it; None with fewer than two points. A plain step runs no draft and verifies one token: where
         the draft's own cost per step is large, the plain step is off the line, and a line
         through it takes that cost for a cost per proposal (traced at batch 1 on a paying pair:
         plain 24 ms, gamma 1, 2, 3, 5 at 46, 56, 53, 62 ms; the line through plain, 1 and 2
