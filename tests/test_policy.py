@@ -9,9 +9,10 @@ import random
 import pytest
 
 from batchspec.decoding import policy as policy_module
-from batchspec.decoding.policy import (CATCH_DECAY, CATCH_PRIOR, HOLD, KEEP_EVIDENCE, MARGIN, PRIOR_ALPHA, PROBE_LAST,
-                                       RETIME_GAP, ROW_DECAY, GammaPolicy, StepCosts, chain_tokens, expected_tokens,
-                                       line, lone_critical, row_alpha, row_alphas, row_seen, tail_share)
+from batchspec.decoding.policy import (CATCH_DECAY, CATCH_PRIOR, HOLD, KEEP_EVIDENCE, MARGIN, MIN_RISE, PRIOR_ALPHA,
+                                       PROBE_LAST, RETIME_GAP, ROW_DECAY, GammaPolicy, StepCosts, chain_tokens,
+                                       expected_tokens, line, lone_critical, row_alpha, row_alphas, row_seen,
+                                       tail_share)
 
 ROWS = 4
 PROMPT_SLOTS = 50  # the cache's slots at a batch's start in decode_batches
@@ -866,6 +867,19 @@ def test_gammas_timed_without_a_rise_leave_the_plain_step_on_the_line():
     assert policy.choose(ROWS, None) == 0
 
 
+def test_a_gamma_timed_under_the_plain_step_leaves_the_line_rising():
+    """The embedded pair at 3 rows in bfloat16: plain 54.7 ms, gamma 1 timed at 54.0 (its cell from
+    a faster phase of the machine than the plain step's), acceptance 0.29. The line through the
+    two had no slope: every gamma above was priced at 54.0 ms, and gamma 8 was chosen (it ran at
+    130 ms). It rises MIN_RISE of a plain step per proposal at least: gamma 2 is the one tried."""
+    policy = GammaPolicy(gamma_max=8)
+    timed(policy, lambda g: [0.0547, 0.0540][g], gammas=[0, 1, 0, 1])
+    measured(policy, 0.29)
+    costs = policy.costs.estimates(ROWS, 8)
+    assert costs[2:] == pytest.approx([0.0540 + MIN_RISE * 0.0547 * (g - 1) for g in range(2, 9)])
+    assert policy.choose(ROWS, None) == 2
+
+
 def test_a_batch_size_of_plain_steps_borrows_the_costs_of_the_nearest_with_a_line():
     """The embedded pair at 16 rows in bfloat16: plain 82 ms, gamma 1 and 2 timed at 128 and
     128.7 ms (a rise of noise: the plain step joins their line), acceptance 0.44. A row ends and
@@ -929,7 +943,7 @@ def test_the_sizes_a_batch_shrinks_to_are_priced_off_known_ones(known, monkeypat
     acceptance 0.35; plain steps 98-121 ms at 11 to 16 rows (as the embedded pair's in float32:
     no cheaper with fewer rows), gamma 1 1.3x that and 0.35x more a proposal (gamma 1 loses 3 %),
     each cell's first timing 1.3-1.6x, 5 % of steps 1.3-2x. Priced off known sizes, auto runs at
-    0.963x plain steps (12 seeds); each size off its own timings, 0.938x (a plain step timed
+    0.959x plain steps (12 seeds); each size off its own timings, 0.950x (a plain step timed
     once high priced gamma 1 under a plain step, at that size and, lent, at those under it)."""
     if not known:
         monkeypatch.setattr(StepCosts, "known", lambda self, rows: True)
@@ -955,7 +969,7 @@ def test_the_sizes_a_batch_shrinks_to_are_priced_off_known_ones(known, monkeypat
         plain = GammaPolicy(gamma_max=8)
         plain.choose = lambda *args, **kwargs: 0
         ratios.append(run(seed, plain) / run(seed, GammaPolicy(gamma_max=8)))
-    assert (sum(ratios) / len(ratios) > 0.95) == known
+    assert (sum(ratios) / len(ratios) > 0.955) == known
 
 
 def test_a_timing_far_over_its_estimate_counts_only_if_the_next_one_is_too():

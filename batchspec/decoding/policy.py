@@ -224,7 +224,7 @@ TREE_LIFT = 1.25  # a tree's alpha over the chain's, before any tree was checked
 HOLD = 0.25  # a timing this much over its cell's estimate counts only once the cell's next timing confirms it
 KEEP_MARGIN = 0.1  # how much faster a bigger batch's steps must have been timed for rows that end to stay
 KEEP_EVIDENCE = 8  # steps timed at a batch size before its mean time counts for that
-MIN_RISE = 0.05  # the least a proposal adds to a step, in plain steps, on a line through the gammas > 0 alone
+MIN_RISE = 0.05  # the least a proposal adds to a step, in plain steps, on a cost line (StepCosts.fit)
 OFF_LINE = 0.25  # how far over a plain step's cost the gammas' line may start, the plain step on it (StepCosts.fit)
 TRIAL = 16  # proposals a run checks before its alpha may stop speculation (twice PRIOR_WEIGHT)
 STALE = 2.0  # a gamma timed while a plain step cost this many times what it costs now is priced anew
@@ -562,22 +562,29 @@ class StepCosts:
         alike or the other way: timing noise, or a CPU kernel's tiles); the plain step joins it
         then (traced at 16 rows on the embedded pair: in float32, gamma 1 and 2 at 188 and 180 ms
         priced every gamma above at 180 ms, and gamma 8 ran at 507, 4.4 plain steps; in
-        bfloat16, both at 128 ms, a rise of 0.7 ms against plain steps of 82)."""
+        bfloat16, both at 128 ms, a rise of 0.7 ms against plain steps of 82). With the plain
+        step on it, the line rises MIN_RISE of it per proposal at least: a gamma timed at the
+        plain step's cost or under (each timed in another phase of the machine) laid it flat
+        (traced on the embedded pair in bfloat16 at 3 rows: plain 54.7 ms, gamma 1 54.0, every
+        gamma above priced at 54.0 ms, and gamma 8 and 7 ran at 130 ms)."""
         timed = self.basis(rows)
         drafted = {g: seconds for g, seconds in timed.items() if g}
         if len(drafted) >= 2:
             intercept, slope = line(drafted)
             if 0 not in timed or slope >= MIN_RISE * timed[0] and intercept > (1 + OFF_LINE) * timed[0]:
                 return intercept, slope
-        return line(timed) if len(timed) >= 2 else None
+        if len(timed) < 2:
+            return None
+        return line(timed, least=MIN_RISE * timed[0])  # timed holds the plain step here (else drafted had a line)
 
 
-def line(timed: dict[int, float]) -> tuple[float, float]:
-    """(intercept, slope >= 0) of the least-squares line seconds = a + b * x (x: gamma, or B)."""
+def line(timed: dict[int, float], least: float = 0.0) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line seconds = a + b * x (x: gamma, or B), the
+    slope held at `least` or over."""
     n = len(timed)
     mean_g, mean_s = sum(timed) / n, sum(timed.values()) / n
     spread = sum((g - mean_g) ** 2 for g in timed)
-    slope = max(sum((g - mean_g) * (s - mean_s) for g, s in timed.items()) / spread, 0.0)
+    slope = max(sum((g - mean_g) * (s - mean_s) for g, s in timed.items()) / spread, least)
     return max(mean_s - slope * mean_g, 1e-9), slope
 
 
