@@ -153,11 +153,14 @@ per second; gamma 0 is a plain target step, the draft sits out.
   auto from 0.973x to 0.991x plain steps; it costs a strongly paying pair under 1 %.
 - A plain cost that one timing alone turned against speculation (a stale cell that started
   again from it, where the cost it replaced had plain steps win) is timed once more before
-  speculation goes on it, and the lesser of the two stands. Speculating, a plain step is not
+  speculation goes on it, and the second timing stands. Speculating, a plain step is not
   timed again, so a plain timing that reads high stands (one that reads low is timed again at
   once): traced on a paying pair at 16 rows, each batch's first plain step read 57 ms against
   41-45 around it, gamma 2 then looked 1.3x better, and the batch speculated where every fixed
-  gamma lost 9-12 %. It costs one plain step per such restart.
+  gamma lost 9-12 %. It costs one plain step per such restart. The lesser of the two stood
+  before, and the lesser of two noisy timings reads low, so plain steps won on it: simulated on
+  batches of 4 rows at acceptance 0.33, gamma 1 at 1.14 plain steps (as the embedded pair's in
+  bfloat16), steps 5 % apart, auto ran at 0.977x fixed gamma 1, 0.985x with the second.
 - A timing more than HOLD over its cell's estimate is held, and counts only if the cell's next
   timing is over that too (the lesser of the two then): the 2-core VM stalls now and then (a
   paying pair's plain steps at 8 rows read 34-42 ms, one in twenty 46-57; a gamma 4 step at 7
@@ -356,9 +359,9 @@ class StepCosts:
     """Seconds per step by (live rows B, gamma) over empty caches: moving averages of timed
     steps, each over scale(the slots its cache held), and estimates for cells not timed
     yet. A cell not timed in RETIME_GAP timings starts again from the new one; a plain step's
-    second timing since then replaces the first if lower (it confirms a cost that turned the
-    choice to speculation: see GammaPolicy.choose), and so does a gamma's second timing ever
-    (confirming). A timing over HOLD above its cell's estimate
+    second timing since then replaces the first (it confirms a cost that turned the choice to
+    speculation: see GammaPolicy.choose), and a gamma's second timing ever replaces its first
+    if lower (confirming). A timing over HOLD above its cell's estimate
     is held: it counts only if the cell's next timing is over that too (the lesser of the two
     counts then), and is dropped if not."""
 
@@ -426,7 +429,7 @@ class StepCosts:
                 self.replaced[rows] = self.estimates(rows, 0)[0]
             new = seconds
         elif self.confirming(rows, gamma):
-            new = min(old, seconds)
+            new = seconds if gamma == 0 else min(old, seconds)  # a plain step's: see the module's notes
         else:
             new = old + self.weight * (seconds - old)
         self.cells.setdefault(rows, {})[gamma] = new
@@ -447,10 +450,10 @@ class StepCosts:
         return self.sums.get((rows, gamma), (0.0, 0))[1]
 
     def confirming(self, rows: int, gamma: int) -> bool:
-        """Whether the next timing at (rows, gamma), unless it restarts the cell, is one whose lesser
-        with the cell's estimate stands: a plain step's second since its cell (re)started (see
-        GammaPolicy.choose), a gamma's second ever (a shape's first run, or a stall in it, priced
-        it: see probes in the module's notes)."""
+        """Whether the next timing at (rows, gamma), unless it restarts the cell, replaces the
+        cell's estimate: a plain step's second since its cell (re)started (see GammaPolicy.choose),
+        a gamma's second ever if lower (a shape's first run, or a stall in it, priced it: see
+        probes in the module's notes)."""
         return self.plain_timings[rows] == 1 if gamma == 0 else self.timings_of(rows, gamma) == 1
 
     def unconfirmed(self, rows: int, seconds: float) -> float:
