@@ -429,7 +429,7 @@ class StepCosts:
                 self.replaced[rows] = self.estimates(rows, 0)[0]
             new = seconds
         elif self.confirming(rows, gamma):
-            new = seconds if gamma == 0 else min(old, seconds)  # a plain step's: see the module's notes
+            new = seconds if gamma == 0 else min(old, seconds)  # a plain step's second stands, a gamma's lesser
         else:
             new = old + self.weight * (seconds - old)
         self.cells.setdefault(rows, {})[gamma] = new
@@ -554,10 +554,10 @@ class StepCosts:
     def fit(self, rows: int) -> tuple[float, float] | None:
         """(intercept, slope) of a least-squares line through the gammas > 0 that price `rows`
         (StepCosts.basis), and through its plain step too unless the line's intercept is over
-        (1 + OFF_LINE) times it; None with fewer than two points. A plain step runs no draft and verifies one token: where
-        the draft's own cost per step is large, the plain step is off the line, and a line
-        through it takes that cost for a cost per proposal (traced at batch 1 on a paying pair:
-        plain 24 ms, gamma 1, 2, 3, 5 at 46, 56, 53, 62 ms; the line through plain, 1 and 2
+        (1 + OFF_LINE) times it; None with fewer than two points. A plain step runs no draft and
+        verifies one token: where the draft's own cost per step is large, the plain step is off
+        the line, and a line through it takes that cost for a cost per proposal (traced at batch 1
+        on a paying pair: plain 24 ms, gamma 1, 2, 3, 5 at 46, 56, 53, 62 ms; the line through plain, 1 and 2
         priced gamma 5 at 100 ms, and gamma 3 and up never ran). Where it lies on the line, it
         is one more point, and the best timed. A line through the gammas > 0 that rises less than
         MIN_RISE of a plain step per proposal would price every gamma above at about the cost of
