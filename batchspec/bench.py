@@ -4,15 +4,16 @@ generation and prompt lookup, which take one row at a time).
 
 Every method decodes the same prompts, greedy, in batches of each batch size, in one process:
 a warm-up batch first (not timed), then `repeats` passes over the batches (more at a batch size
-of few batches, so that every method is timed in `min_runs` runs of a batch), interleaved batch by
-batch (every method decodes a batch before any decodes the next, every other time in reverse
-order), so that a machine whose speed drifts over minutes slows all methods alike; a cell's time
-is its batches' times, each batch's fastest run counting (tok/s), and one method's speed over
-another's (x ar, x hf, the verdicts, the best config) is the median over passes of their times'
-ratio in the same pass (faster). Bare forwards, which price the ideal, take a turn
-on a few batches of each pass too. Each speculative method keeps one gamma policy
-for the whole cell, as a job keeps one for its run, so auto is timed as it runs once it has
-measured its step costs. Tokens/s counts each row's own completion tokens.
+of few batches, so that every method is timed in `min_runs` runs of a batch), batch by batch
+(every method decodes a batch before any decodes the next). batchspec's methods decode each
+batch in lockstep, a step at a time, the one furthest behind stepping next, so that a phase of
+the machine slows them alike; transformers' decode it whole, in turn with them (every other time
+in reverse order). A cell's time is its batches' times, each batch's fastest run counting
+(tok/s), and one method's speed over another's (x ar, x hf, the verdicts, the best config) is
+the median over passes of their times' ratio in the same pass (faster). Bare forwards, which
+price the ideal, take a turn on a few batches of each pass too. Each speculative method keeps
+one gamma policy for the whole cell, as a job keeps one for its run, so auto is timed as it
+runs once it has measured its step costs. Tokens/s counts each row's own completion tokens.
 """
 
 import re
@@ -25,6 +26,7 @@ import torch
 from batchspec.bench_files import best_configs, write_results
 from batchspec.buckets import make_encoder
 from batchspec.decoding import DecodeConfig, RowOptions, decode_batch
+from batchspec.decoding.engine import BatchDecoder, BatchOutput
 from batchspec.decoding.kv_cache import padded
 from batchspec.decoding.policy import GammaPolicy, chain_tokens
 from batchspec.decoding.seq2seq import decoder_prefix, model_cache
@@ -36,6 +38,7 @@ from batchspec.models import load_pair
 from batchspec.sources import Row, RowError, read_jsonl
 
 HF, ASSISTED, LOOKUP, AR, AUTO = "hf generate", "hf assisted", "hf prompt lookup", "ar", "spec auto"
+TRANSFORMERS = (HF, ASSISTED, LOOKUP)  # methods transformers' generate runs, a whole batch at a time
 NGRAM, HYBRID = "ngram auto", "hybrid auto"
 DRAFTERS = {"model": AUTO, "ngram": NGRAM, "hybrid": HYBRID}  # --drafters -> the auto method of each
 WITH_OPTIONS = " + options"  # --with-options: ar and spec auto again, every row with OPTIONS
@@ -60,7 +63,7 @@ class Cell:
     outputs: list[list[int]] = field(default_factory=list)  # completion token ids per prompt (fastest runs)
     stats: list[dict] = field(default_factory=list)  # per-row stats (batchspec methods; fastest runs)
     forwards: int = 0  # target forwards in the fastest runs
-    peak_mib: float | None = None  # the most memory a batch's run held above what was held before it
+    peak_mib: float | None = None  # the most memory its warm-up batch held above what was held before it
     mismatches: list[dict] = field(default_factory=list)  # rows unlike its reference's (fidelity.mismatches)
     policy: GammaPolicy | None = None
     steps: GammaPolicy | None = None  # ar's: no gamma, the step timings a job keeps across batches (batch_rows)
@@ -131,7 +134,6 @@ class Run:
     mask_seconds: float = 0.0  # host time its grammar masks took
     seconds: float = 0.0  # its time, timed
     forwards: int = 0  # its target forwards
-    peak_mib: float | None = None  # the most memory it held above what was held before it
 
 
 def geometric_alpha(accepted: float, shares: dict[int, float]) -> float:
@@ -297,12 +299,20 @@ def timed(fn):
 def decode(pair, cell: Cell, batch: list[list[int]]) -> Run:
     """One batch decoded by cell.method: completions, row stats, the seconds grammar masks took
     (timing and counting are the caller's)."""
-    if cell.method in (HF, ASSISTED, LOOKUP):
+    if cell.method in TRANSFORMERS:
         return Run(hf_generate(pair, batch, cell.config, cell.method))
+    return finished(start(pair, cell, batch).run())
+
+
+def start(pair, cell: Cell, batch: list[list[int]]) -> BatchDecoder:
+    """A batchspec method's decoder of one batch, its prompts prefilled."""
     options = [cell.options] * len(batch) if cell.options else None
-    result = decode_batch(pair.target, cell.draft, batch, list(range(len(batch))), cell.config, options,
-                          cell.policy or cell.steps, pair.tokenizer)
-    return Run([r.token_ids for r in result.rows], [r.stats for r in result.rows], result.stats["mask_seconds"])
+    return BatchDecoder(pair.target, cell.draft, batch, list(range(len(batch))), cell.config, options,
+                        cell.policy or cell.steps, pair.tokenizer)
+
+
+def finished(output: BatchOutput) -> Run:
+    return Run([r.token_ids for r in output.rows], [r.stats for r in output.rows], output.stats["mask_seconds"])
 
 
 def methods(pair, batch_size: int, drafters: list[str], gammas: list[int], base: DecodeConfig,
@@ -340,7 +350,7 @@ def methods(pair, batch_size: int, drafters: list[str], gammas: list[int], base:
         cells.append(Cell(batch_size, copies(samples), replace(base, share_prefill=False), samples=samples))
         cells.append(Cell(batch_size, f"{AR} n={samples}", base, samples=samples))
     for cell in cells:
-        plain = cell.method in (HF, ASSISTED, LOOKUP) or cell.method.startswith(AR)  # no gamma policy
+        plain = cell.method in TRANSFORMERS or cell.method.startswith(AR)  # no gamma policy
         cell.policy = None if plain else cell.config.policy()
         cell.steps = cell.config.policy() if cell.method.startswith(AR) else None
     return cells
@@ -356,43 +366,43 @@ def copies(samples: int) -> str:
 
 def bench_size(pair, prompts, batch_size: int, drafters: list[str], gammas: list[int], base: DecodeConfig,
                ngram: tuple[int, int], repeats: int, with_options: bool, samples: int,
-               schema: RowOptions | None = None, tree_widths: tuple[int, ...] = (), min_runs: int = 1) -> list[Cell]:
-    """Every method at one batch size: a warm-up batch each, then timed passes interleaved batch
-    by batch (counting target forwards and the memory each run held), `repeats` of them or as
-    many more as time every method in `min_runs` runs of a batch: a cell of one batch (the
-    largest batch size, by default) is otherwise the best of 2 runs, and one batch's runs moved
-    by 10-15 % on the 2-core test machine, where a cell of 16 batches sums its batches' swings
-    away. Bare forwards are timed among them, in the turn of COST_BATCHES batches a pass spread
+               schema: RowOptions | None = None, tree_widths: tuple[int, ...] = (), min_runs: int = 1,
+               interleave: str = "step") -> list[Cell]:
+    """Every method at one batch size: a warm-up batch each (alone: the memory it holds), then
+    timed passes, batch by batch (counting target forwards), `repeats` of them or as many more as
+    time every method in `min_runs` runs of a batch. interleave "step": batchspec's methods decode
+    each batch in lockstep; "batch": each decodes it whole in turn, as transformers' methods do
+    always. Bare forwards are timed among them, in the turn of COST_BATCHES batches a pass spread
     over it (of those as wide as the first): the ideal takes each cost's median, so that neither
     the VM's drift over a pass nor a stall while they ran moves it."""
     cells = methods(pair, batch_size, drafters, gammas, base, ngram, with_options, samples, schema, tree_widths)
-    for cell in cells:
-        decode(pair, cell, cell.prompts(prompts)[:batch_size])  # warm-up; auto measures its costs
+    for cell in cells:  # auto measures its costs
+        with PeakMemory(pair.target.device) as memory:
+            decode(pair, cell, cell.prompts(prompts)[:batch_size])
+        cell.peak_mib = memory.mib
+    ours = [cell for cell in cells if cell.method not in TRANSFORMERS]
+    groups = [[cell] for cell in cells if cell.method in TRANSFORMERS]
+    groups += [ours] if interleave == "step" else [[cell] for cell in ours]
     starts = range(0, len(prompts), batch_size)
     passes = max(repeats, -(-min_runs // len(starts)))
     runs = {id(cell): [[] for _ in starts] for cell in cells}  # per cell, per batch: its timed Runs
     timings, width = [], min(batch_size, len(prompts))  # ForwardCosts timed on batches as wide as the first
     every = -(-len(starts) // COST_BATCHES)  # the batches apart they are timed on
     widest = max(gammas + [base.gamma_max])  # the most proposals any cell's steps make
-    forwards = 0
-
-    def count(*_):
-        nonlocal forwards
-        forwards += 1
-
-    hook = pair.target.register_forward_pre_hook(count)
+    forwards = Counter()
+    hook = pair.target.register_forward_pre_hook(forwards)
     try:
-        for cell, b in interleaved(cells + [None], len(starts), passes):  # None: time bare forwards
-            if cell is None:
+        for group, b in interleaved(groups + [None], len(starts), passes):  # None: time bare forwards
+            if group is None:
                 batch = prompts[starts[b] : starts[b] + batch_size]
                 if b % every == 0 and len(batch) == width:
                     timings.append(forward_costs(pair, batch, widest, repeats=1))
                 continue
-            forwards, batch = 0, cell.prompts(prompts)[starts[b] : starts[b] + batch_size]
-            with PeakMemory(pair.target.device) as memory:
-                seconds, run = timed(lambda c=cell: decode(pair, c, batch))
-            run.seconds, run.forwards, run.peak_mib = seconds, forwards, memory.mib
-            runs[id(cell)][b].append(run)
+            batches = [cell.prompts(prompts)[starts[b] : starts[b] + batch_size] for cell in group]
+            done = lockstep(pair, group, batches, forwards) if len(group) > 1 else [whole(pair, *group, *batches,
+                                                                                         forwards)]
+            for cell, run in zip(group, done):
+                runs[id(cell)][b].append(run)
     finally:
         hook.remove()
     costs = ForwardCosts.median(timings)
@@ -402,16 +412,78 @@ def bench_size(pair, prompts, batch_size: int, drafters: list[str], gammas: list
     return cells
 
 
-def interleaved(cells: list[Cell], batches: int, repeats: int):
-    """The timed runs in order, (cell, batch index), pass after pass: every cell decodes a batch
-    before any decodes the next, so that a machine whose speed drifts over minutes slows every
-    method alike; every other batch, and each batch every other pass, in reverse order, so that
-    no method always runs after the same ones (on a machine that slows along a batch's turn, or
-    a heap the methods before grew)."""
+class Counter:
+    """Counts its calls (a forward pre-hook: the target's forwards)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, *_):
+        self.calls += 1
+
+
+def whole(pair, cell: Cell, batch: list[list[int]], forwards: Counter) -> Run:
+    """One batch decoded by one cell alone, timed."""
+    before = forwards.calls
+    seconds, run = timed(lambda: decode(pair, cell, batch))
+    run.seconds, run.forwards = seconds, forwards.calls - before
+    return run
+
+
+@dataclass
+class Stepping:
+    """One cell's run of a batch, decoded a step at a time beside other cells' (lockstep)."""
+
+    decoder: BatchDecoder
+    seconds: float = 0.0  # its time so far: its start (the prefill) and its steps
+    forwards: int = 0  # its target forwards so far
+    tokens: int = field(init=False)  # what its rows may generate in all
+
+    def __post_init__(self):
+        self.tokens = sum(tally.limit for tally in self.decoder.tallies)
+
+    @property
+    def progress(self) -> float:
+        """The share of its rows' tokens generated (a row that ended: all of its own)."""
+        return 1 - sum(t.limit - len(t.tokens) for t in self.decoder.tallies if t) / self.tokens
+
+    def step(self, forwards: Counter) -> None:
+        before = forwards.calls
+        seconds, _ = timed(self.decoder.step)
+        self.seconds, self.forwards = self.seconds + seconds, self.forwards + forwards.calls - before
+
+
+def lockstep(pair, cells: list[Cell], batches: list[list[list[int]]], forwards: Counter) -> list[Run]:
+    """Each cell's run of its batch, the runs decoded side by side a step at a time: the run that
+    has generated the least share of its tokens steps next, so that every method meets each
+    phase of the machine in the same share of its work. Each run's time is its own start's and
+    steps' (on a GPU each synchronized). Whole runs one after another meet different phases: ar
+    against ar on the embedded pair in bfloat16 at batch 16 (6 passes) read 0.95-1.18x pass by
+    pass, in lockstep 0.996-1.012x."""
+    runs = []
+    for cell, batch in zip(cells, batches):
+        before = forwards.calls
+        seconds, decoder = timed(lambda c=cell, b=batch: start(pair, c, b))
+        runs.append(Stepping(decoder, seconds, forwards.calls - before))
+    live = list(runs)
+    while live:
+        run = min(live, key=lambda r: r.progress)
+        run.step(forwards)
+        if run.decoder.done:
+            live.remove(run)
+    return [replace(finished(run.decoder.output()), seconds=run.seconds, forwards=run.forwards) for run in runs]
+
+
+def interleaved(units: list, batches: int, repeats: int):
+    """The timed runs in order, (unit, batch index), pass after pass, a unit a cell or cells run
+    together: every unit decodes a batch before any decodes the next, so that a machine whose speed
+    drifts over minutes slows every method alike; every other batch, and each batch every other
+    pass, in reverse order, so that no method always runs after the same ones (on a machine that
+    slows along a batch's turn, or a heap the methods before grew)."""
     for repeat in range(repeats):
         for batch in range(batches):
-            for cell in cells if (repeat + batch) % 2 == 0 else cells[::-1]:
-                yield cell, batch
+            for unit in units if (repeat + batch) % 2 == 0 else units[::-1]:
+                yield unit, batch
 
 
 def settle(cell: Cell, runs: list[list[Run]]) -> None:
@@ -426,7 +498,6 @@ def settle(cell: Cell, runs: list[list[Run]]) -> None:
     cell.stats = [row for run in best for row in run.stats]
     cell.forwards = sum(run.forwards for run in best)
     cell.mask_seconds = sum(run.mask_seconds for run in best)
-    cell.peak_mib = max((run.peak_mib for batch in runs for run in batch if run.peak_mib is not None), default=None)
 
 
 def faster(cell: Cell, other: Cell) -> float:
@@ -434,7 +505,7 @@ def faster(cell: Cell, other: Cell) -> float:
     cell's in that pass. Both decoded every batch of a pass side by side, so a slow phase of the
     machine that touched the pass slowed both, where each cell's fastest runs (its tok/s) may
     come from passes minutes apart. Traced at batch 16 on the 2-core VM (8-10 passes of ar,
-    auto and fixed gammas), over every 4 of the passes the ratio of the fastest runs moved by a
+    auto and fixed gammas, each decoding whole batches in turn), over every 4 of the passes the ratio of the fastest runs moved by a
     standard deviation of 0.04-0.10, the median of the passes' ratios by 0.02-0.07, about half."""
     return statistics.median(theirs / ours for ours, theirs in zip(cell.times, other.times))
 
@@ -508,7 +579,7 @@ def reference(cell: Cell, cells: list[Cell]) -> Cell:
 
 def run_options(cell: Cell) -> dict | None:
     """The `batchspec run` options that decode as the cell does (None: not a run setting)."""
-    if cell.options or cell.samples > 1 or cell.method in (HF, ASSISTED, LOOKUP):
+    if cell.options or cell.samples > 1 or cell.method in TRANSFORMERS:
         return None
     if cell.policy is None:
         return {"mode": "ar"}
@@ -605,13 +676,16 @@ def bench(*, target: str | None, draft: str | None, prompts: str, rows: int | No
           drafters: list[str], gammas: list[int], gamma_max: int, ngram_min: int, ngram_max: int,
           max_new_tokens: int, repeats: int, dtype: str, device: str, with_options: bool = False,
           samples: int = 1, out_dir: str | None = None, write_config: str | None = None,
-          json_schema: str | None = None, tree_widths: tuple[int, ...] = (), min_runs: int = 1) -> str:
+          json_schema: str | None = None, tree_widths: tuple[int, ...] = (), min_runs: int = 1,
+          interleave: str = "step") -> str:
     """The markdown report of every method at every batch size on a model pair (default: the
     embedded one); out_dir: also results.csv, results.json and plots there; write_config: the
     fastest setting per batch size as --config files; json_schema: a JSON schema file, every row's
     output constrained by it in extra cells; tree_widths: the draft's trees of these widths beside
     its chains; min_runs: each method's timed runs of a batch at every batch size, at least
-    (passes are added where a batch size has fewer batches)."""
+    (passes are added where a batch size has fewer batches); interleave: "step" (batchspec's
+    methods decode each batch in lockstep) or "batch" (each decodes it whole in turn: one
+    batch's caches held at a time)."""
     models = {"target": target, "draft": draft} if target is not None else {}  # for the config files
     if target is None:
         target, draft = default_target(), draft or default_draft()
@@ -628,7 +702,7 @@ def bench(*, target: str | None, draft: str | None, prompts: str, rows: int | No
                         **pair.forced_tokens)
     cells = [cell for size in batch_sizes
              for cell in bench_size(pair, token_ids, size, drafters, gammas, base, (ngram_min, ngram_max), repeats,
-                                    with_options, samples, schema, tree_widths, min_runs)]
+                                    with_options, samples, schema, tree_widths, min_runs, interleave)]
     for cell in cells:
         cell.mismatches = mismatches(pair.target, cell.prompts(token_ids), cell.outputs, reference(cell, cells).outputs)
     written = []
@@ -638,16 +712,17 @@ def bench(*, target: str | None, draft: str | None, prompts: str, rows: int | No
         rows = result_rows(cells, jsd)
         about = {"target": target, "draft": draft, "device": str(pair.target.device), "dtype": str(pair.target.dtype),
                  "threads": torch.get_num_threads(), "prompts": len(token_ids), "max_new_tokens": max_new_tokens,
-                 "repeats": repeats, "min_runs": min_runs, "greedy": True}
+                 "repeats": repeats, "min_runs": min_runs, "interleave": interleave, "greedy": True}
         written += write_results(out_dir, rows, about) if out_dir else []
         settings = {**models, "dtype": dtype, "gamma_max": gamma_max}
         written += best_configs(write_config, rows, settings) if write_config else []
     dtype_name = str(pair.target.dtype).removeprefix("torch.")
     where = f"{pair.target.device.type}, {dtype_name}, {torch.get_num_threads()} threads"
+    turns = "batchspec's methods in lockstep" if interleave == "step" else "each method a whole batch in turn"
     refused = pair.draft is not None and not assistable(pair)
     note = "\n(no hf assisted: transformers refuses a draft of another vocabulary width)" if refused else ""
     drafted_by = f"draft  {draft if pair.draft is not None else '(none)'}; n-gram sizes {ngram_min}..{ngram_max}"
     return (f"target {target}\n{drafted_by}\n"
             f"{where}; {len(token_ids)} prompts, max_new_tokens {max_new_tokens}, "
-            f"greedy, {best_of(cells)}\n\n{table(cells)}\n\n{verdicts(cells)}{note}"
+            f"greedy, {turns}, {best_of(cells)}\n\n{table(cells)}\n\n{verdicts(cells)}{note}"
             + "".join(f"\nwrote {path}" for path in written))

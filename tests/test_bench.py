@@ -35,7 +35,7 @@ def test_bench_table(tiny_pair, tmp_path):
                    max_new_tokens=8, repeats=1, dtype="float32", device="cpu", with_options=True, samples=3,
                    json_schema=str(schema), tree_widths=(2,))
     lines = report.splitlines()
-    assert "3 prompts" in lines[2]
+    assert "3 prompts" in lines[2] and "batchspec's methods in lockstep" in lines[2]
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines
             if line.startswith("| ") and not line.startswith("| batch")]
     assert [r[:2] for r in rows] == [
@@ -81,11 +81,13 @@ def test_bench_table(tiny_pair, tmp_path):
 
 
 def test_bench_without_a_draft_model(tiny_pair):
-    """--drafters ngram needs no draft: ar, transformers' generate and prompt lookup, ngram auto."""
+    """--drafters ngram needs no draft: ar, transformers' generate and prompt lookup, ngram auto;
+    here each decoding whole batches in turn (--interleave batch)."""
     target, _ = tiny_pair("llama")
     report = bench(target=str(target), draft=None, prompts=str(PLAIN_PROMPTS), rows=2, batch_sizes=[1],
                    drafters=["ngram"], gammas=[2], gamma_max=3, ngram_min=1, ngram_max=3, max_new_tokens=6,
-                   repeats=1, dtype="float32", device="cpu")
+                   repeats=1, dtype="float32", device="cpu", interleave="batch")
+    assert "each method a whole batch in turn" in report.splitlines()[2]
     methods = [line.split("|")[2].strip() for line in report.splitlines() if line.startswith("| 1 ")]
     assert methods == ["hf generate", "hf prompt lookup", "ar", "ngram auto"]
     assert all(line.split("|")[6].strip() == "2/2" for line in report.splitlines() if line.startswith("| 1 "))
@@ -208,14 +210,19 @@ def test_bare_forwards_are_timed_among_the_passes_and_their_medians_priced(tiny_
         order.append("costs")
         return next(fakes)
 
-    decode = bench_module.decode
+    start, hf_generate = bench_module.start, bench_module.hf_generate
 
     def logged(pair, cell, batch):
         order.append(cell.method)
-        return decode(pair, cell, batch)
+        return start(pair, cell, batch)
+
+    def logged_hf(pair, batch, config, method):
+        order.append(method)
+        return hf_generate(pair, batch, config, method)
 
     monkeypatch.setattr(bench_module, "forward_costs", fake_costs)
-    monkeypatch.setattr(bench_module, "decode", logged)
+    monkeypatch.setattr(bench_module, "start", logged)
+    monkeypatch.setattr(bench_module, "hf_generate", logged_hf)
     base = DecodeConfig(max_new_tokens=4, eos_token_ids=pair.eos_token_ids, gamma_max=1)
     cells = bench_module.bench_size(pair, prompts, 2, ["model"], [1], base, (1, 3), repeats=2, with_options=False,
                                     samples=1)
@@ -277,19 +284,52 @@ def test_methods_take_turns_batch_by_batch():
     assert [b for _, b in interleaved(["ar"], batches=3, repeats=1)] == [0, 1, 2]
 
 
+def test_batchspec_methods_decode_a_batch_in_lockstep(tiny_pair, monkeypatch):
+    """The runs of a batch step side by side, the one that has generated the least share of its
+    tokens next; each run's rows, forwards and stats are what it gives decoded alone, its time its
+    own start's and steps'."""
+    target, draft = tiny_pair("llama")
+    pair = load_pair(str(target), str(draft), dtype="float32", device="cpu")
+    base = DecodeConfig(max_new_tokens=12, eos_token_ids=pair.eos_token_ids, gamma_max=3)
+    cells = [c for c in bench_module.methods(pair, 3, ["model"], [3], base, (1, 3)) if c.method in (AR, "spec gamma=3")]
+    batches = [[[5, 6, 7, 8], [9, 10], [11, 12, 13]]] * 2
+    forwards = bench_module.Counter()
+    hook = pair.target.register_forward_pre_hook(forwards)
+    alone = [bench_module.whole(pair, cell, batch, forwards) for cell, batch in zip(cells, batches)]
+    steps, step, before = [], bench_module.Stepping.step, forwards.calls
+
+    def logged(self, forwards):
+        steps.append((self.progress, [r.progress for r in runs if not r.decoder.done], self.decoder.policy))
+        step(self, forwards)
+
+    runs, stepping = [], bench_module.Stepping.__post_init__
+    monkeypatch.setattr(bench_module.Stepping, "__post_init__", lambda self: (runs.append(self), stepping(self)))
+    monkeypatch.setattr(bench_module.Stepping, "step", logged)
+    try:
+        together = bench_module.lockstep(pair, cells, batches, forwards)
+    finally:
+        hook.remove()
+    assert all(progress == min(live) for progress, live, _ in steps)  # the furthest behind steps
+    policies = [policy for _, _, policy in steps]
+    first_done = min(max(i for i, p in enumerate(policies) if p is cell.policy or p is cell.steps) for cell in cells)
+    assert {id(p) for p in policies[:first_done]} == {id(cell.policy or cell.steps) for cell in cells}  # both stepped
+    for run, solo in zip(together, alone):
+        assert run.outputs == solo.outputs and run.forwards == solo.forwards > 0 and run.seconds > 0
+        assert [s["gamma_histogram"] for s in run.stats] == [s["gamma_histogram"] for s in solo.stats]
+    assert forwards.calls - before == sum(run.forwards for run in together)
+    assert together[1].forwards < together[0].forwards  # gamma 3 took fewer target forwards than ar
+
+
 def test_each_batchs_fastest_run_counts():
     """A cell's time sums each batch's fastest run (from whichever pass), with its rows and stats;
-    a pass's time (times, for the spread) sums its batches' runs; the memory is the most any run
-    held."""
+    a pass's time (times, for the spread) sums its batches' runs."""
     cell = Cell(2, AUTO, DecodeConfig(max_new_tokens=4))
-    runs = [[Run([[1]], [{"s": "a0"}], seconds=3.0, forwards=5, peak_mib=1.0),
-             Run([[1]], [{"s": "a1"}], seconds=2.0, forwards=4, peak_mib=None)],
-            [Run([[2, 3]], [{"s": "b0"}], seconds=1.0, forwards=2, peak_mib=7.0),
-             Run([[2, 3]], [{"s": "b1"}], seconds=4.0, forwards=3, peak_mib=2.0)]]
+    runs = [[Run([[1]], [{"s": "a0"}], seconds=3.0, forwards=5), Run([[1]], [{"s": "a1"}], seconds=2.0, forwards=4)],
+            [Run([[2, 3]], [{"s": "b0"}], seconds=1.0, forwards=2), Run([[2, 3]], [{"s": "b1"}], seconds=4.0, forwards=3)]]
     settle(cell, runs)
     assert cell.times == [4.0, 6.0] and cell.seconds == 3.0 and cell.rate == 1.0
     assert cell.outputs == [[1], [2, 3]] and cell.stats == [{"s": "a1"}, {"s": "b0"}]
-    assert cell.forwards == 6 and cell.peak_mib == 7.0
+    assert cell.forwards == 6
 
 
 def test_speeds_are_compared_pass_by_pass():
