@@ -5,19 +5,20 @@ generation and prompt lookup, which take one row at a time).
 Every method decodes the same prompts, greedy, in batches of each batch size, in one process:
 a warm-up batch first (not timed), then `repeats` passes over the batches (more at a batch size
 of few batches, so that every method is timed in `min_runs` runs of a batch), batch by batch
-(every method decodes a batch before any decodes the next). batchspec's methods decode each
-batch in lockstep, a step at a time, the one furthest behind stepping next, so that a phase of
-the machine slows them alike; transformers' decode it whole, in turn with them (every other time
-in reverse order). A cell's time is its batches' times, each batch's fastest run counting
-(tok/s), and one method's speed over another's (x ar, x hf, the verdicts, the best config) is
-the median over passes of their times' ratio in the same pass (faster). Bare forwards, which
-price the ideal, take a turn on a few batches of each pass too. Each speculative method keeps
-one gamma policy for the whole cell, as a job keeps one for its run, so auto is timed as it
-runs once it has measured its step costs. Tokens/s counts each row's own completion tokens.
+(every method decodes a batch before any decodes the next), in lockstep: a step at a time,
+the one furthest behind stepping next, so that a phase of the machine slows them alike
+(transformers' generate in a thread of its own, paused at every step by its streamer). A cell's
+time is its batches' times, each batch's fastest run counting (tok/s), and one method's speed
+over another's (x ar, x hf, the verdicts, the best config) is the median over passes of their
+times' ratio in the same pass (faster). Bare forwards, which price the ideal, take a turn on a
+few batches of each pass too. Each speculative method keeps one gamma policy for the whole
+cell, as a job keeps one for its run, so auto is timed as it runs once it has measured its step
+costs. Tokens/s counts each row's own completion tokens.
 """
 
 import re
 import statistics
+import threading
 import time
 from dataclasses import dataclass, field, replace
 
@@ -25,7 +26,7 @@ import torch
 
 from batchspec.bench_files import best_configs, write_results
 from batchspec.buckets import make_encoder
-from batchspec.decoding import DecodeConfig, RowOptions, decode_batch
+from batchspec.decoding import DecodeConfig, RowOptions
 from batchspec.decoding.engine import BatchDecoder, BatchOutput
 from batchspec.decoding.kv_cache import padded
 from batchspec.decoding.policy import GammaPolicy, chain_tokens
@@ -39,6 +40,7 @@ from batchspec.sources import Row, RowError, read_jsonl
 
 HF, ASSISTED, LOOKUP, AR, AUTO = "hf generate", "hf assisted", "hf prompt lookup", "ar", "spec auto"
 TRANSFORMERS = (HF, ASSISTED, LOOKUP)  # methods transformers' generate runs, a whole batch at a time
+CONTROL = "ar again"  # --control: ar twice, side by side; its speed over ar is the measurement's noise
 NGRAM, HYBRID = "ngram auto", "hybrid auto"
 DRAFTERS = {"model": AUTO, "ngram": NGRAM, "hybrid": HYBRID}  # --drafters -> the auto method of each
 WITH_OPTIONS = " + options"  # --with-options: ar and spec auto again, every row with OPTIONS
@@ -262,10 +264,10 @@ def measured_alpha(cell: Cell, cells: list[Cell]) -> float | None:
     return max(alike, key=lambda c: c.total("draft_tokens")).alpha if alike else None
 
 
-def hf_generate(pair, prompts: list[list[int]], config: DecodeConfig, method: str) -> list[list[int]]:
+def hf_generate(pair, prompts: list[list[int]], config: DecodeConfig, method: str, streamer=None) -> list[list[int]]:
     """transformers' greedy generate (ASSISTED: with the draft as assistant model; LOOKUP: prompt
     lookup with the n-gram sizes of `config`; both one row only); completions cut after the first
-    EOS id, as ours are."""
+    EOS id, as ours are. streamer: given the prompt, then each step's tokens."""
     seq2seq = pair.target.config.is_encoder_decoder  # generate reads its source right-padded
     ids, mask = padded(prompts, pair.target.device, left=not seq2seq)
     eos = list(pair.eos_token_ids)
@@ -274,7 +276,8 @@ def hf_generate(pair, prompts: list[list[int]], config: DecodeConfig, method: st
              LOOKUP: {"prompt_lookup_num_tokens": config.gamma_max,
                       "max_matching_ngram_size": config.ngram[1] if config.ngram else None}}.get(method, {})
     out = pair.target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
-                               eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0, **extra)
+                               eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0, streamer=streamer,
+                               **extra)
     completions = out[:, len(decoder_prefix(pair.target)) if seq2seq else ids.shape[1] :].tolist()
     return [row[: next((i + 1 for i, t in enumerate(row) if t in eos), len(row))] for row in completions]
 
@@ -317,17 +320,18 @@ def finished(output: BatchOutput) -> Run:
 
 def methods(pair, batch_size: int, drafters: list[str], gammas: list[int], base: DecodeConfig,
             ngram: tuple[int, int], with_options: bool = False, samples: int = 1,
-            schema: RowOptions | None = None, tree_widths: tuple[int, ...] = ()) -> list[Cell]:
+            schema: RowOptions | None = None, tree_widths: tuple[int, ...] = (), control: bool = False) -> list[Cell]:
     """The cells one batch size compares: transformers' (its one-row methods at batch 1 only),
-    ar, the draft model at each fixed gamma (and trees of each of tree_widths at that depth, and
-    with auto), each drafter with auto (ngram: n-gram sizes),
+    ar (control: and ar again, whose speed over ar is the measurement's noise), the draft model at
+    each fixed gamma (and trees of each of tree_widths at that depth, and with auto), each
+    drafter with auto (ngram: n-gram sizes),
     with_options: ar and the model's auto again with OPTIONS on every row, and samples > 1: ar
     over rows that repeat each prompt `samples` times, prefilled once (n) or each (copies);
     schema (every row's grammar): ar and the model's auto with it, and auto without jump-forward."""
     lookup = replace(base, ngram=ngram)
     one_row = [ASSISTED] * assistable(pair) + [LOOKUP] * ("ngram" in drafters) if batch_size == 1 else []
     cells = [Cell(batch_size, HF, base)] + [Cell(batch_size, m, lookup) for m in one_row]
-    cells.append(Cell(batch_size, AR, base))
+    cells += [Cell(batch_size, AR, base)] + [Cell(batch_size, CONTROL, base)] * control
     if "model" in drafters:
         cells += [Cell(batch_size, f"spec gamma={g}", replace(base, gamma=g), pair.draft) for g in gammas]
         cells += [Cell(batch_size, tree_method(w, g), replace(base, gamma=g, tree_width=w), pair.draft)
@@ -367,22 +371,21 @@ def copies(samples: int) -> str:
 def bench_size(pair, prompts, batch_size: int, drafters: list[str], gammas: list[int], base: DecodeConfig,
                ngram: tuple[int, int], repeats: int, with_options: bool, samples: int,
                schema: RowOptions | None = None, tree_widths: tuple[int, ...] = (), min_runs: int = 1,
-               interleave: str = "step") -> list[Cell]:
+               interleave: str = "step", control: bool = False) -> list[Cell]:
     """Every method at one batch size: a warm-up batch each (alone: the memory it holds), then
     timed passes, batch by batch (counting target forwards), `repeats` of them or as many more as
-    time every method in `min_runs` runs of a batch. interleave "step": batchspec's methods decode
-    each batch in lockstep; "batch": each decodes it whole in turn, as transformers' methods do
-    always. Bare forwards are timed among them, in the turn of COST_BATCHES batches a pass spread
-    over it (of those as wide as the first): the ideal takes each cost's median, so that neither
-    the VM's drift over a pass nor a stall while they ran moves it."""
-    cells = methods(pair, batch_size, drafters, gammas, base, ngram, with_options, samples, schema, tree_widths)
+    time every method in `min_runs` runs of a batch. interleave "step": the methods decode each
+    batch in lockstep; "batch": each decodes it whole in turn. Bare forwards are timed among them,
+    in the turn of COST_BATCHES batches a pass spread over it (of those as wide as the first):
+    the ideal takes each cost's median, so that neither the VM's drift over a pass nor a stall
+    while they ran moves it."""
+    cells = methods(pair, batch_size, drafters, gammas, base, ngram, with_options, samples, schema, tree_widths,
+                    control)
     for cell in cells:  # auto measures its costs
         with PeakMemory(pair.target.device) as memory:
             decode(pair, cell, cell.prompts(prompts)[:batch_size])
         cell.peak_mib = memory.mib
-    ours = [cell for cell in cells if cell.method not in TRANSFORMERS]
-    groups = [[cell] for cell in cells if cell.method in TRANSFORMERS]
-    groups += [ours] if interleave == "step" else [[cell] for cell in ours]
+    groups = [cells] if interleave == "step" else [[cell] for cell in cells]
     starts = range(0, len(prompts), batch_size)
     passes = max(repeats, -(-min_runs // len(starts)))
     runs = {id(cell): [[] for _ in starts] for cell in cells}  # per cell, per batch: its timed Runs
@@ -399,8 +402,10 @@ def bench_size(pair, prompts, batch_size: int, drafters: list[str], gammas: list
                     timings.append(forward_costs(pair, batch, widest, repeats=1))
                 continue
             batches = [cell.prompts(prompts)[starts[b] : starts[b] + batch_size] for cell in group]
-            done = lockstep(pair, group, batches, forwards) if len(group) > 1 else [whole(pair, *group, *batches,
-                                                                                         forwards)]
+            if len(group) == 1:
+                done = [whole(pair, group[0], batches[0], forwards)]
+            else:
+                done = lockstep(pair, group, batches, forwards)
             for cell, run in zip(group, done):
                 runs[id(cell)][b].append(run)
     finally:
@@ -430,48 +435,110 @@ def whole(pair, cell: Cell, batch: list[list[int]], forwards: Counter) -> Run:
     return run
 
 
-@dataclass
 class Stepping:
-    """One cell's run of a batch, decoded a step at a time beside other cells' (lockstep)."""
+    """One batchspec method's run of a batch, decoded a step at a time beside other runs."""
 
-    decoder: BatchDecoder
-    seconds: float = 0.0  # its time so far: its start (the prefill) and its steps
-    forwards: int = 0  # its target forwards so far
-    tokens: int = field(init=False)  # what its rows may generate in all
-
-    def __post_init__(self):
-        self.tokens = sum(tally.limit for tally in self.decoder.tallies)
+    def __init__(self, pair, cell: Cell, batch: list[list[int]]):
+        self.seconds, self.decoder = timed(lambda: start(pair, cell, batch))  # its time so far: prefill, steps
+        self.tokens = sum(tally.limit for tally in self.decoder.tallies)  # what its rows may generate in all
 
     @property
     def progress(self) -> float:
         """The share of its rows' tokens generated (a row that ended: all of its own)."""
         return 1 - sum(t.limit - len(t.tokens) for t in self.decoder.tallies if t) / self.tokens
 
-    def step(self, forwards: Counter) -> None:
-        before = forwards.calls
+    @property
+    def done(self) -> bool:
+        return self.decoder.done
+
+    def step(self) -> None:
         seconds, _ = timed(self.decoder.step)
-        self.seconds, self.forwards = self.seconds + seconds, self.forwards + forwards.calls - before
+        self.seconds += seconds
+
+    def result(self) -> Run:
+        return replace(finished(self.decoder.output()), seconds=self.seconds)
+
+
+class Generating:
+    """transformers' generate of a batch, a step at a time beside other runs: it runs in a thread
+    of its own, and its streamer, handed each step's tokens, waits there for the next turn. Only
+    one of the two threads computes at a time; its time is what the generating thread measures
+    from each turn's start to the step's tokens (on a GPU, synchronized)."""
+
+    def __init__(self, pair, cell: Cell, batch: list[list[int]]):
+        self.limit, self.generated = cell.config.max_new_tokens, -1  # -1: its prompt is put first
+        self.seconds, self.outputs, self.error, self.done = 0.0, None, None, False
+        self.turn, self.paused = threading.Semaphore(0), threading.Semaphore(0)
+        self.thread = threading.Thread(target=self.generate, args=(pair, cell, batch), daemon=True)
+        self.thread.start()
+        self.paused.acquire()  # its prompt put: nothing computed yet
+        self.raised()
+
+    def generate(self, pair, cell: Cell, batch: list[list[int]]) -> None:
+        self.began = time.perf_counter()
+        try:
+            self.outputs = hf_generate(pair, batch, cell.config, cell.method, streamer=self)
+            self.seconds += time.perf_counter() - self.began
+        except BaseException as error:  # raised again by step, in the caller's thread
+            self.error = error
+        finally:
+            self.done = True
+            self.paused.release()
+
+    def put(self, tokens: torch.Tensor) -> None:
+        """The streamer's: the prompt, then each step's new tokens ([B], or [1, n] assisted)."""
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.seconds += time.perf_counter() - self.began
+        self.generated += 1 if self.generated < 0 or tokens.dim() == 1 else tokens.shape[-1]
+        self.paused.release()
+        self.turn.acquire()
+        self.began = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+    @property
+    def progress(self) -> float:
+        return self.generated / self.limit
+
+    def step(self) -> None:
+        self.turn.release()
+        self.paused.acquire()
+        self.raised()
+
+    def raised(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def result(self) -> Run:
+        self.thread.join()
+        return Run(self.outputs, seconds=self.seconds)
 
 
 def lockstep(pair, cells: list[Cell], batches: list[list[list[int]]], forwards: Counter) -> list[Run]:
     """Each cell's run of its batch, the runs decoded side by side a step at a time: the run that
-    has generated the least share of its tokens steps next, so that every method meets each
-    phase of the machine in the same share of its work. Each run's time is its own start's and
-    steps' (on a GPU each synchronized). Whole runs one after another meet different phases: ar
-    against ar on the embedded pair in bfloat16 at batch 16 (6 passes) read 0.95-1.18x pass by
-    pass, in lockstep 0.996-1.012x."""
-    runs = []
+    has generated the least share of its tokens steps next (of those tied, the one that stepped
+    last: two alike, ar and ar again, step ABBA, each going first as often), so that every method
+    meets each phase of the machine in the same share of its work. Each run's time is its own
+    start's and steps' (on a GPU each synchronized). Whole runs one after another meet different
+    phases: ar against ar on the embedded pair in bfloat16 at batch 16 (6 passes) read
+    0.95-1.18x pass by pass, in lockstep 0.996-1.012x."""
+    runs, counts = [], []
     for cell, batch in zip(cells, batches):
         before = forwards.calls
-        seconds, decoder = timed(lambda c=cell, b=batch: start(pair, c, b))
-        runs.append(Stepping(decoder, seconds, forwards.calls - before))
-    live = list(runs)
+        runs.append((Generating if cell.method in TRANSFORMERS else Stepping)(pair, cell, batch))
+        counts.append(forwards.calls - before)
+    live = [i for i, run in enumerate(runs) if not run.done]
+    last = [0] * len(runs)  # the step each run last took: of those tied, the latest steps first
     while live:
-        run = min(live, key=lambda r: r.progress)
-        run.step(forwards)
-        if run.decoder.done:
-            live.remove(run)
-    return [replace(finished(run.decoder.output()), seconds=run.seconds, forwards=run.forwards) for run in runs]
+        i = min(live, key=lambda i: (runs[i].progress, -last[i]))
+        before = forwards.calls
+        runs[i].step()
+        counts[i], last[i] = counts[i] + forwards.calls - before, max(last) + 1
+        if runs[i].done:
+            live.remove(i)
+    return [replace(run.result(), forwards=count) for run, count in zip(runs, counts)]
 
 
 def interleaved(units: list, batches: int, repeats: int):
@@ -505,8 +572,9 @@ def faster(cell: Cell, other: Cell) -> float:
     cell's in that pass. Both decoded every batch of a pass side by side, so a slow phase of the
     machine that touched the pass slowed both, where each cell's fastest runs (its tok/s) may
     come from passes minutes apart. Traced at batch 16 on the 2-core VM (8-10 passes of ar,
-    auto and fixed gammas, each decoding whole batches in turn), over every 4 of the passes the ratio of the fastest runs moved by a
-    standard deviation of 0.04-0.10, the median of the passes' ratios by 0.02-0.07, about half."""
+    auto and fixed gammas, each decoding whole batches in turn), over every 4 of the passes the
+    ratio of the fastest runs moved by a standard deviation of 0.04-0.10, the median of the
+    passes' ratios by 0.02-0.07, about half."""
     return statistics.median(theirs / ours for ours, theirs in zip(cell.times, other.times))
 
 
@@ -617,12 +685,12 @@ def result_rows(cells: list[Cell], jsd: float | None) -> list[dict]:
 
 def verdicts(cells: list[Cell]) -> str:
     """Per batch size: the fastest method, each drafter's auto against ar, and the model's auto
-    against its best fixed gamma (each ratio: faster)."""
+    against its best fixed gamma (each ratio: faster); with --control, ar against itself."""
     lines = []
     for size in sorted({c.batch_size for c in cells}):
         cell = {c.method: c for c in cells if c.batch_size == size}
         over = lambda a, b: faster(cell[a], cell[b])  # noqa: E731
-        best = max(cell, key=lambda m: over(m, AR))
+        best = max((m for m in cell if m != CONTROL), key=lambda m: over(m, AR))
         fixed = max((m for m in cell if m.startswith("spec gamma=")), key=lambda m: over(m, AR), default=None)
         line = f"batch {size}: fastest {best} ({over(best, AR):.2f}x ar)"
         line += "".join(f"; {m} {over(m, AR):.2f}x ar" for m in DRAFTERS.values() if m in cell)
@@ -645,6 +713,8 @@ def verdicts(cells: list[Cell]) -> str:
         shared = next((c for c in cell.values() if c.samples > 1 and c.config.share_prefill), None)
         if shared:
             line += f"; {shared.method} {over(shared.method, copies(shared.samples)):.2f}x {shared.samples} copies"
+        if CONTROL in cell:
+            line += f"; {CONTROL} {over(CONTROL, AR):.2f}x ar (the noise of these ratios)"
         lines.append(line)
     return "\n".join(lines)
 
@@ -677,15 +747,15 @@ def bench(*, target: str | None, draft: str | None, prompts: str, rows: int | No
           max_new_tokens: int, repeats: int, dtype: str, device: str, with_options: bool = False,
           samples: int = 1, out_dir: str | None = None, write_config: str | None = None,
           json_schema: str | None = None, tree_widths: tuple[int, ...] = (), min_runs: int = 1,
-          interleave: str = "step") -> str:
+          interleave: str = "step", control: bool = False) -> str:
     """The markdown report of every method at every batch size on a model pair (default: the
     embedded one); out_dir: also results.csv, results.json and plots there; write_config: the
     fastest setting per batch size as --config files; json_schema: a JSON schema file, every row's
     output constrained by it in extra cells; tree_widths: the draft's trees of these widths beside
     its chains; min_runs: each method's timed runs of a batch at every batch size, at least
-    (passes are added where a batch size has fewer batches); interleave: "step" (batchspec's
-    methods decode each batch in lockstep) or "batch" (each decodes it whole in turn: one
-    batch's caches held at a time)."""
+    (passes are added where a batch size has fewer batches); interleave: "step" (the methods
+    decode each batch in lockstep) or "batch" (each decodes it whole in turn: one batch's
+    caches held at a time); control: ar twice, its speed over itself the noise of every ratio."""
     models = {"target": target, "draft": draft} if target is not None else {}  # for the config files
     if target is None:
         target, draft = default_target(), draft or default_draft()
@@ -702,7 +772,7 @@ def bench(*, target: str | None, draft: str | None, prompts: str, rows: int | No
                         **pair.forced_tokens)
     cells = [cell for size in batch_sizes
              for cell in bench_size(pair, token_ids, size, drafters, gammas, base, (ngram_min, ngram_max), repeats,
-                                    with_options, samples, schema, tree_widths, min_runs, interleave)]
+                                    with_options, samples, schema, tree_widths, min_runs, interleave, control)]
     for cell in cells:
         cell.mismatches = mismatches(pair.target, cell.prompts(token_ids), cell.outputs, reference(cell, cells).outputs)
     written = []
@@ -718,7 +788,7 @@ def bench(*, target: str | None, draft: str | None, prompts: str, rows: int | No
         written += best_configs(write_config, rows, settings) if write_config else []
     dtype_name = str(pair.target.dtype).removeprefix("torch.")
     where = f"{pair.target.device.type}, {dtype_name}, {torch.get_num_threads()} threads"
-    turns = "batchspec's methods in lockstep" if interleave == "step" else "each method a whole batch in turn"
+    turns = "methods in lockstep" if interleave == "step" else "each method a whole batch in turn"
     refused = pair.draft is not None and not assistable(pair)
     note = "\n(no hf assisted: transformers refuses a draft of another vocabulary width)" if refused else ""
     drafted_by = f"draft  {draft if pair.draft is not None else '(none)'}; n-gram sizes {ngram_min}..{ngram_max}"

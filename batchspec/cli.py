@@ -275,8 +275,10 @@ def int_list(text: str, name: str) -> list[int]:
         help="Each method's timed runs of a batch at every batch size, at least: passes are added at a batch size "
         "with fewer batches than that over --repeats (one batch's runs move by 10-15 % on a noisy machine).")
 @option("--interleave", type=click.Choice(["step", "batch"]), default="step",
-        help="step: batchspec's methods decode each batch in lockstep, a step at a time, so that the machine's "
-        "phases slow them alike; batch: each decodes it whole in turn (holds one batch's caches at a time).")
+        help="step: the methods decode each batch in lockstep, a step at a time, so that the machine's phases "
+        "slow them alike; batch: each decodes it whole in turn (holds one batch's caches at a time).")
+@option("--control", is_flag=True, default=False,
+        help="Also ar again, side by side with ar: its speed over ar is how far the machine's noise moves a ratio.")
 @option("--with-options", is_flag=True, default=False,
         help="Also ar and spec auto with every logits processor (too weak to change a token) and 5 logprobs.")
 @option("--samples", type=click.IntRange(1, 128), default=1,

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from PIL import Image
 
 from batchspec import bench as bench_module
-from batchspec.bench import (AR, AUTO, Cell, ForwardCosts, PeakMemory, Run, bench, best_of, faster, geometric_alpha,
+from batchspec.bench import (AR, AUTO, HF, Cell, ForwardCosts, PeakMemory, Run, bench, best_of, faster, geometric_alpha,
                              ideal_speedup, interleaved, settle, verdicts)
 from batchspec.decoding import DecodeConfig
 from batchspec.bench_files import COLUMNS
@@ -35,7 +35,7 @@ def test_bench_table(tiny_pair, tmp_path):
                    max_new_tokens=8, repeats=1, dtype="float32", device="cpu", with_options=True, samples=3,
                    json_schema=str(schema), tree_widths=(2,))
     lines = report.splitlines()
-    assert "3 prompts" in lines[2] and "batchspec's methods in lockstep" in lines[2]
+    assert "3 prompts" in lines[2] and "methods in lockstep" in lines[2]
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines
             if line.startswith("| ") and not line.startswith("| batch")]
     assert [r[:2] for r in rows] == [
@@ -82,14 +82,18 @@ def test_bench_table(tiny_pair, tmp_path):
 
 def test_bench_without_a_draft_model(tiny_pair):
     """--drafters ngram needs no draft: ar, transformers' generate and prompt lookup, ngram auto;
-    here each decoding whole batches in turn (--interleave batch)."""
+    here each decoding whole batches in turn (--interleave batch), and ar again (--control),
+    which the verdict sets against ar and never names the fastest."""
     target, _ = tiny_pair("llama")
     report = bench(target=str(target), draft=None, prompts=str(PLAIN_PROMPTS), rows=2, batch_sizes=[1],
                    drafters=["ngram"], gammas=[2], gamma_max=3, ngram_min=1, ngram_max=3, max_new_tokens=6,
-                   repeats=1, dtype="float32", device="cpu", interleave="batch")
+                   repeats=1, dtype="float32", device="cpu", interleave="batch", control=True)
     assert "each method a whole batch in turn" in report.splitlines()[2]
     methods = [line.split("|")[2].strip() for line in report.splitlines() if line.startswith("| 1 ")]
-    assert methods == ["hf generate", "hf prompt lookup", "ar", "ngram auto"]
+    assert methods == ["hf generate", "hf prompt lookup", "ar", "ar again", "ngram auto"]
+    verdict = next(line for line in report.splitlines() if line.startswith("batch 1:"))
+    assert re.search(r"; ar again [\d.]+x ar \(the noise of these ratios\)$", verdict)
+    assert not verdict.startswith("batch 1: fastest ar again")
     assert all(line.split("|")[6].strip() == "2/2" for line in report.splitlines() if line.startswith("| 1 "))
 
 
@@ -216,9 +220,9 @@ def test_bare_forwards_are_timed_among_the_passes_and_their_medians_priced(tiny_
         order.append(cell.method)
         return start(pair, cell, batch)
 
-    def logged_hf(pair, batch, config, method):
+    def logged_hf(pair, batch, config, method, streamer=None):
         order.append(method)
-        return hf_generate(pair, batch, config, method)
+        return hf_generate(pair, batch, config, method, streamer)
 
     monkeypatch.setattr(bench_module, "forward_costs", fake_costs)
     monkeypatch.setattr(bench_module, "start", logged)
@@ -284,40 +288,57 @@ def test_methods_take_turns_batch_by_batch():
     assert [b for _, b in interleaved(["ar"], batches=3, repeats=1)] == [0, 1, 2]
 
 
-def test_batchspec_methods_decode_a_batch_in_lockstep(tiny_pair, monkeypatch):
+def test_methods_decode_a_batch_in_lockstep(tiny_pair, monkeypatch):
     """The runs of a batch step side by side, the one that has generated the least share of its
-    tokens next; each run's rows, forwards and stats are what it gives decoded alone, its time its
-    own start's and steps'."""
+    tokens next (of those tied, the one that stepped last), transformers' generate among them (a
+    thread that its streamer pauses); each run's rows, forwards and stats are what it gives
+    decoded alone, its time its own."""
     target, draft = tiny_pair("llama")
     pair = load_pair(str(target), str(draft), dtype="float32", device="cpu")
     base = DecodeConfig(max_new_tokens=12, eos_token_ids=pair.eos_token_ids, gamma_max=3)
-    cells = [c for c in bench_module.methods(pair, 3, ["model"], [3], base, (1, 3)) if c.method in (AR, "spec gamma=3")]
-    batches = [[[5, 6, 7, 8], [9, 10], [11, 12, 13]]] * 2
+    cells = [c for c in bench_module.methods(pair, 3, ["model"], [3], base, (1, 3)) if c.method != AUTO]
+    assert [c.method for c in cells] == [HF, AR, "spec gamma=3"]
+    batches = [[[5, 6, 7, 8], [9, 10], [11, 12, 13]]] * 3
     forwards = bench_module.Counter()
     hook = pair.target.register_forward_pre_hook(forwards)
-    alone = [bench_module.whole(pair, cell, batch, forwards) for cell, batch in zip(cells, batches)]
-    steps, step, before = [], bench_module.Stepping.step, forwards.calls
-
-    def logged(self, forwards):
-        steps.append((self.progress, [r.progress for r in runs if not r.decoder.done], self.decoder.policy))
-        step(self, forwards)
-
-    runs, stepping = [], bench_module.Stepping.__post_init__
-    monkeypatch.setattr(bench_module.Stepping, "__post_init__", lambda self: (runs.append(self), stepping(self)))
-    monkeypatch.setattr(bench_module.Stepping, "step", logged)
+    runs, steps = [], []  # every run; per step: the stepping run, its progress, the live runs' least
+    for kind in (bench_module.Stepping, bench_module.Generating):
+        init, step = kind.__init__, kind.step
+        monkeypatch.setattr(kind, "__init__", lambda self, *a, init=init: (runs.append(self), init(self, *a))[1])
+        monkeypatch.setattr(kind, "step", lambda self, step=step: (
+            steps.append((self, self.progress, min(r.progress for r in runs if not r.done))), step(self))[1])
     try:
+        alone = [bench_module.whole(pair, cell, batch, forwards) for cell, batch in zip(cells, batches)]
+        before = forwards.calls
         together = bench_module.lockstep(pair, cells, batches, forwards)
     finally:
         hook.remove()
-    assert all(progress == min(live) for progress, live, _ in steps)  # the furthest behind steps
-    policies = [policy for _, _, policy in steps]
-    first_done = min(max(i for i, p in enumerate(policies) if p is cell.policy or p is cell.steps) for cell in cells)
-    assert {id(p) for p in policies[:first_done]} == {id(cell.policy or cell.steps) for cell in cells}  # both stepped
+    assert [type(r) for r in runs] == [bench_module.Generating, bench_module.Stepping, bench_module.Stepping]
+    assert all(progress == least for _, progress, least in steps)  # the furthest behind steps
+    firsts = {run for (run, p, _), (other, q, _) in zip(steps, steps[1:]) if p == q and {run, other} == set(runs[:2])}
+    assert firsts == set(runs[:2])  # generate and ar, tied a token a step, take turns going first
+    first_done = min(max(i for i, (run, *_) in enumerate(steps) if run is r) for r in runs)
+    assert {id(run) for run, *_ in steps[:first_done]} == {id(r) for r in runs}  # all stepped before one ended
     for run, solo in zip(together, alone):
         assert run.outputs == solo.outputs and run.forwards == solo.forwards > 0 and run.seconds > 0
         assert [s["gamma_histogram"] for s in run.stats] == [s["gamma_histogram"] for s in solo.stats]
     assert forwards.calls - before == sum(run.forwards for run in together)
-    assert together[1].forwards < together[0].forwards  # gamma 3 took fewer target forwards than ar
+    assert together[2].forwards < together[1].forwards  # gamma 3 took fewer target forwards than ar
+
+
+@pytest.mark.parametrize("puts", [0, 2])
+def test_an_error_in_generates_thread_is_raised_in_the_callers(puts, monkeypatch):
+    """transformers' generate failing in its thread, before its prompt is put or after steps,
+    fails the lockstep where it runs, instead of leaving it waiting for a turn."""
+    def failing(pair, batch, config, method, streamer):
+        for _ in range(puts):
+            streamer.put(torch.tensor([1]))
+        raise RuntimeError("generate failed")
+
+    monkeypatch.setattr(bench_module, "hf_generate", failing)
+    cell = Cell(1, HF, DecodeConfig(max_new_tokens=4))
+    with pytest.raises(RuntimeError, match="generate failed"):
+        bench_module.lockstep(None, [cell], [[[5, 6]]], bench_module.Counter())
 
 
 def test_each_batchs_fastest_run_counts():
@@ -325,7 +346,8 @@ def test_each_batchs_fastest_run_counts():
     a pass's time (times, for the spread) sums its batches' runs."""
     cell = Cell(2, AUTO, DecodeConfig(max_new_tokens=4))
     runs = [[Run([[1]], [{"s": "a0"}], seconds=3.0, forwards=5), Run([[1]], [{"s": "a1"}], seconds=2.0, forwards=4)],
-            [Run([[2, 3]], [{"s": "b0"}], seconds=1.0, forwards=2), Run([[2, 3]], [{"s": "b1"}], seconds=4.0, forwards=3)]]
+            [Run([[2, 3]], [{"s": "b0"}], seconds=1.0, forwards=2),
+             Run([[2, 3]], [{"s": "b1"}], seconds=4.0, forwards=3)]]
     settle(cell, runs)
     assert cell.times == [4.0, 6.0] and cell.seconds == 3.0 and cell.rate == 1.0
     assert cell.outputs == [[1], [2, 3]] and cell.stats == [{"s": "a1"}, {"s": "b0"}]
