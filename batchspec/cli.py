@@ -269,7 +269,7 @@ def int_list(text: str, name: str) -> list[int]:
 @option("--gamma-max", type=click.IntRange(1, 64), default=8, help="The most draft tokens auto proposes.")
 @option("--max-new-tokens", type=click.IntRange(1), default=64, help="Most tokens generated per row.")
 @option("--repeats", type=click.IntRange(1), default=2,
-        help="Timed passes, interleaved batch by batch; each batch's fastest run counts (tok/s), "
+        help="Timed passes over the batches (see --interleave); each batch's fastest run counts (tok/s), "
              "and methods' speeds are compared pass by pass.")
 @option("--min-runs", type=click.IntRange(1), default=4,
         help="Each method's timed runs of a batch at every batch size, at least: passes are added at a batch size "
