@@ -39,7 +39,7 @@ from batchspec.models import load_pair
 from batchspec.sources import Row, RowError, read_jsonl
 
 HF, ASSISTED, LOOKUP, AR, AUTO = "hf generate", "hf assisted", "hf prompt lookup", "ar", "spec auto"
-TRANSFORMERS = (HF, ASSISTED, LOOKUP)  # methods transformers' generate runs, a whole batch at a time
+TRANSFORMERS = (HF, ASSISTED, LOOKUP)  # methods transformers' generate runs (in lockstep: Generating)
 CONTROL = "ar again"  # --control: ar twice, side by side; its speed over ar is the measurement's noise
 NGRAM, HYBRID = "ngram auto", "hybrid auto"
 DRAFTERS = {"model": AUTO, "ngram": NGRAM, "hybrid": HYBRID}  # --drafters -> the auto method of each
