@@ -7,7 +7,7 @@ a warm-up batch first (not timed), then `repeats` passes over the batches (more 
 of few batches, so that every method is timed in `min_runs` runs of a batch), batch by batch
 (every method decodes a batch before any decodes the next), in lockstep: a step at a time,
 the one furthest behind stepping next, so that a phase of the machine slows them alike
-(transformers' generate in a thread of its own, paused at every step by its streamer). A cell's
+(transformers' generate on a greenlet of its own, paused at every step by its streamer). A cell's
 time is its batches' times, each batch's fastest run counting (tok/s), and one method's speed
 over another's (x ar, x hf, the verdicts, the best config) is the median over passes of their
 times' ratio in the same pass (faster). Bare forwards, which price the ideal, take a turn on a
@@ -18,10 +18,10 @@ costs. Tokens/s counts each row's own completion tokens.
 
 import re
 import statistics
-import threading
 import time
 from dataclasses import dataclass, field, replace
 
+import greenlet
 import torch
 
 from batchspec.bench_files import best_configs, write_results
@@ -460,30 +460,28 @@ class Stepping:
 
 
 class Generating:
-    """transformers' generate of a batch, a step at a time beside other runs: it runs in a thread
-    of its own, and its streamer, handed each step's tokens, waits there for the next turn. Only
-    one of the two threads computes at a time; its time is what the generating thread measures
-    from each turn's start to the step's tokens (on a GPU, synchronized)."""
+    """transformers' generate of a batch, a step at a time beside other runs: it runs on a greenlet
+    (a stack of its own, switched to within the caller's thread), and its streamer, handed each
+    step's tokens, switches back there. Its time is what it measures from each turn's start to
+    the step's tokens (on a GPU, synchronized). In a thread of its own instead (with OpenMP
+    workers of its own: one set asleep while the other computes), the step after each of its
+    steps took longer: on a paying pair in bfloat16 at 16 rows (generate, ar and ar again, 3
+    batches, twice), ar's steps after generate's 3.2-3.4 ms longer than its 48-52 ms after ar
+    again's, so ar, which steps after generate three times as often as ar again, took 0.98-1.04x
+    ar again's time pass by pass; on the greenlet, 36.3 and 37.8 ms after generate's, 37.4 and
+    38.4 after ar again's."""
 
     def __init__(self, pair, cell: Cell, batch: list[list[int]]):
         self.limit, self.generated = cell.config.max_new_tokens, -1  # -1: its prompt is put first
-        self.seconds, self.outputs, self.error, self.done = 0.0, None, None, False
-        self.turn, self.paused = threading.Semaphore(0), threading.Semaphore(0)
-        self.thread = threading.Thread(target=self.generate, args=(pair, cell, batch), daemon=True)
-        self.thread.start()
-        self.paused.acquire()  # its prompt put: nothing computed yet
-        self.raised()
+        self.seconds, self.outputs = 0.0, None
+        self.runner = greenlet.greenlet(self.generate)
+        switch(self.runner, pair, cell, batch)  # up to its prompt's put: nothing computed yet
 
     def generate(self, pair, cell: Cell, batch: list[list[int]]) -> None:
+        """The greenlet's work: an error is raised in the caller, where the switch to it returns."""
         self.began = time.perf_counter()
-        try:
-            self.outputs = hf_generate(pair, batch, cell.config, cell.method, streamer=self)
-            self.seconds += time.perf_counter() - self.began
-        except BaseException as error:  # raised again by step, in the caller's thread
-            self.error = error
-        finally:
-            self.done = True
-            self.paused.release()
+        self.outputs = hf_generate(pair, batch, cell.config, cell.method, streamer=self)
+        self.seconds += time.perf_counter() - self.began
 
     def put(self, tokens: torch.Tensor) -> None:
         """The streamer's: the prompt, then each step's new tokens ([B], or [1, n] assisted)."""
@@ -491,8 +489,7 @@ class Generating:
             torch.cuda.synchronize()
         self.seconds += time.perf_counter() - self.began
         self.generated += 1 if self.generated < 0 or tokens.dim() == 1 else tokens.shape[-1]
-        self.paused.release()
-        self.turn.acquire()
+        switch(self.runner.parent)
         self.began = time.perf_counter()
 
     def end(self) -> None:
@@ -502,18 +499,26 @@ class Generating:
     def progress(self) -> float:
         return self.generated / self.limit
 
-    def step(self) -> None:
-        self.turn.release()
-        self.paused.acquire()
-        self.raised()
+    @property
+    def done(self) -> bool:
+        return self.runner.dead
 
-    def raised(self) -> None:
-        if self.error is not None:
-            raise self.error
+    def step(self) -> None:
+        switch(self.runner)
 
     def result(self) -> Run:
-        self.thread.join()
         return Run(self.outputs, seconds=self.seconds)
+
+
+def switch(to: greenlet.greenlet, *args) -> None:
+    """Switch to another greenlet, keeping this one's grad mode: torch keeps it per thread, which
+    greenlets share, and generate's no_grad would otherwise leak into the other runs (or, with
+    two generates, one's exit restore a mode over the other's)."""
+    grad = torch.is_grad_enabled()
+    try:
+        to.switch(*args)
+    finally:
+        torch.set_grad_enabled(grad)
 
 
 def lockstep(pair, cells: list[Cell], batches: list[list[list[int]]], forwards: Counter) -> list[Run]:

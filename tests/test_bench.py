@@ -6,6 +6,7 @@ import json
 import math
 import random
 import re
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,8 +15,8 @@ from click.testing import CliRunner
 from PIL import Image
 
 from batchspec import bench as bench_module
-from batchspec.bench import (AR, AUTO, HF, Cell, ForwardCosts, PeakMemory, Run, bench, best_of, faster, geometric_alpha,
-                             ideal_speedup, interleaved, settle, verdicts)
+from batchspec.bench import (AR, ASSISTED, AUTO, HF, Cell, ForwardCosts, PeakMemory, Run, bench, best_of, faster,
+                             geometric_alpha, ideal_speedup, interleaved, settle, verdicts)
 from batchspec.decoding import DecodeConfig
 from batchspec.bench_files import COLUMNS
 from batchspec.cli import main
@@ -291,16 +292,17 @@ def test_methods_take_turns_batch_by_batch():
 def test_methods_decode_a_batch_in_lockstep(tiny_pair, monkeypatch):
     """The runs of a batch step side by side, the one that has generated the least share of its
     tokens next (of those tied, the one that stepped last), transformers' generate among them (a
-    thread that its streamer pauses); each run's rows, forwards and stats are what it gives
-    decoded alone, its time its own."""
+    greenlet that its streamer pauses, in the caller's thread: every forward runs there); each
+    run's rows, forwards and stats are what it gives decoded alone, its time its own."""
     target, draft = tiny_pair("llama")
     pair = load_pair(str(target), str(draft), dtype="float32", device="cpu")
     base = DecodeConfig(max_new_tokens=12, eos_token_ids=pair.eos_token_ids, gamma_max=3)
     cells = [c for c in bench_module.methods(pair, 3, ["model"], [3], base, (1, 3)) if c.method != AUTO]
     assert [c.method for c in cells] == [HF, AR, "spec gamma=3"]
     batches = [[[5, 6, 7, 8], [9, 10], [11, 12, 13]]] * 3
-    forwards = bench_module.Counter()
+    forwards, threads = bench_module.Counter(), set()
     hook = pair.target.register_forward_pre_hook(forwards)
+    thread_hook = pair.target.register_forward_pre_hook(lambda *_: threads.add(threading.get_ident()))
     runs, steps = [], []  # every run; per step: the stepping run, its progress, the live runs' least
     for kind in (bench_module.Stepping, bench_module.Generating):
         init, step = kind.__init__, kind.step
@@ -313,6 +315,8 @@ def test_methods_decode_a_batch_in_lockstep(tiny_pair, monkeypatch):
         together = bench_module.lockstep(pair, cells, batches, forwards)
     finally:
         hook.remove()
+        thread_hook.remove()
+    assert threads == {threading.get_ident()}  # generate's forwards too: no worker threads of its own to wake
     assert [type(r) for r in runs] == [bench_module.Generating, bench_module.Stepping, bench_module.Stepping]
     assert all(progress == least for _, progress, least in steps)  # the furthest behind steps
     firsts = {run for (run, p, _), (other, q, _) in zip(steps, steps[1:]) if p == q and {run, other} == set(runs[:2])}
@@ -326,9 +330,31 @@ def test_methods_decode_a_batch_in_lockstep(tiny_pair, monkeypatch):
     assert together[2].forwards < together[1].forwards  # gamma 3 took fewer target forwards than ar
 
 
+def test_generates_in_lockstep_keep_their_own_grad_mode(tiny_pair):
+    """Two of transformers' generates stepping in lockstep (batch 1: assisted and generate), each
+    on its greenlet in one thread, where torch keeps one grad mode: every forward runs without
+    grad, and the caller's mode is as before (each side keeps its own over a switch; else the one
+    started first, ending first, restores the mode it began with under the other's no_grad)."""
+    target, draft = tiny_pair("llama")
+    pair = load_pair(str(target), str(draft), dtype="float32", device="cpu")
+    base = DecodeConfig(max_new_tokens=6, eos_token_ids=pair.eos_token_ids, gamma_max=2)
+    cells = {c.method: c for c in bench_module.methods(pair, 1, ["model"], [], base, (1, 3))}
+    cells = [cells[ASSISTED], cells[HF], cells[AR]]  # assisted, started first, ends first
+    grads = []
+    hooks = [model.register_forward_pre_hook(lambda *_: grads.append(torch.is_grad_enabled()))
+             for model in (pair.target, pair.draft)]
+    try:
+        runs = bench_module.lockstep(pair, cells, [[[5, 6, 7]]] * 3, bench_module.Counter())
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert len(grads) > 12 and not any(grads) and torch.is_grad_enabled()
+    assert runs[0].outputs == runs[1].outputs == runs[2].outputs
+
+
 @pytest.mark.parametrize("puts", [0, 2])
-def test_an_error_in_generates_thread_is_raised_in_the_callers(puts, monkeypatch):
-    """transformers' generate failing in its thread, before its prompt is put or after steps,
+def test_an_error_in_generate_is_raised_in_the_lockstep(puts, monkeypatch):
+    """transformers' generate failing on its greenlet, before its prompt is put or after steps,
     fails the lockstep where it runs, instead of leaving it waiting for a turn."""
     def failing(pair, batch, config, method, streamer):
         for _ in range(puts):
