@@ -463,13 +463,14 @@ class Generating:
     """transformers' generate of a batch, a step at a time beside other runs: it runs on a greenlet
     (a stack of its own, switched to within the caller's thread), and its streamer, handed each
     step's tokens, switches back there. Its time is what it measures from each turn's start to
-    the step's tokens (on a GPU, synchronized). In a thread of its own instead (with OpenMP
-    workers of its own: one set asleep while the other computes), the step after each of its
-    steps took longer: on a paying pair in bfloat16 at 16 rows (generate, ar and ar again, 3
-    batches, twice), ar's steps after generate's 3.2-3.4 ms longer than its 48-52 ms after ar
-    again's, so ar, which steps after generate three times as often as ar again, took 0.98-1.04x
-    ar again's time pass by pass; on the greenlet, 36.3 and 37.8 ms after generate's, 37.4 and
-    38.4 after ar again's."""
+    the step's tokens (on a GPU, synchronized). In a thread of its own instead (each thread has
+    OpenMP workers of its own, asleep while the other thread computes: the cost grew with
+    OMP_WAIT_POLICY=PASSIVE and was gone with ACTIVE), the step after each of its steps took
+    longer: on a paying pair in bfloat16 at 16 rows (generate, ar and ar again, 3 batches,
+    twice), ar's steps after generate's 3.2-3.4 ms longer than its 48-52 ms after ar again's, and
+    ar, stepping after generate three times as often as ar again, took 0.98-1.04x ar again's time
+    batch by batch; on the greenlet, 36.3 and 37.8 ms after generate's, 37.4 and 38.4 after ar
+    again's."""
 
     def __init__(self, pair, cell: Cell, batch: list[list[int]]):
         self.limit, self.generated = cell.config.max_new_tokens, -1  # -1: its prompt is put first
