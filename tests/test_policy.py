@@ -942,8 +942,9 @@ def test_a_cell_timed_once_is_priced_no_higher_than_those_timed_twice():
 def test_a_gammas_first_timing_at_a_batch_size_is_timed_again_at_once():
     """gamma 1's first timing at ROWS read 2x its cost (a shape's first run, or a stall in it):
     priced by it, gamma 1 and the gammas along its line lose to plain steps. The next step at
-    ROWS takes gamma 1 again, and the lesser of the two timings stands. Only the next step: one
-    at another batch size passes, and a gamma's first timing there is not timed again."""
+    ROWS takes gamma 1 again, and the lesser of the two timings stands. Only the next step, and
+    only at ROWS: where the next is at another batch size, the first timing is not re-timed at
+    once. A tree's first timing is re-timed as a tree."""
     policy = GammaPolicy(gamma_max=4)
     measured(policy, 0.8)
     cost = lambda g: 1.0 + 0.3 * g  # noqa: E731
@@ -960,6 +961,13 @@ def test_a_gammas_first_timing_at_a_batch_size_is_timed_again_at_once():
     policy.observe(ROWS, 4, 3, 4, 2 * cost(4))  # gamma 4's first timing at ROWS
     assert policy.choose(ROWS - 1, None) == best  # a step at another batch size
     assert policy.choose(ROWS, None) == best  # gamma 4 waits for a re-timing
+    trees = GammaPolicy(gamma_max=4, trees=True)
+    measured(trees, 0.8)
+    timed(trees, cost, [0, 0])
+    trees.observe(ROWS, 2, 3, 4, 2 * cost(2))  # a chain's
+    assert trees.choose(ROWS, None) == 2 and not trees.tree
+    trees.observe(ROWS, 3, 3, 4, 2 * cost(3), tree=True)  # a tree's
+    assert trees.choose(ROWS, None) == 3 and trees.tree
 
 
 def test_a_batch_size_prices_itself_once_known():
