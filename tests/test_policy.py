@@ -396,9 +396,8 @@ def test_a_gamma_timed_on_a_slower_machine_is_timed_again(expires, monkeypatch):
     fixed gamma 3 gained 1.37x. gamma 2's cost, kept, priced gamma 2 and the line through it out,
     and the probes that would time them again: the first came after 515 plain steps, and gamma 1
     held after it. Timed while a plain step cost over twice what it costs now, it is priced at no
-    more than the other costs say: speculation from the sixth step on, gamma 3 on 89 % of the
-    steps. Kept, the first probe now comes after 16 plain steps (its gamma, never timed at 8 rows,
-    prices none: GammaPolicy.priced), and speculation from the fifteenth."""
+    more than the other costs say: speculation from the sixth step on, gamma 3 on 91 % of the
+    steps. Kept, it prices the first probe 527 plain steps on, and gamma 3 never runs."""
     if not expires:
         monkeypatch.setattr(StepCosts, "current", lambda self, rows: self.cells[rows])
     policy, rows = GammaPolicy(gamma_max=8), 8
@@ -459,7 +458,7 @@ def test_a_run_speculates_until_it_has_checked_enough_proposals(trial, monkeypat
 
 
 @pytest.mark.parametrize("trial, fades_up, slow_steps, confirms", [
-    (True, True, 1, True), (False, True, 1, True), (False, True, 1, False),
+    (True, True, 1, True), (True, True, 1, False), (False, True, 1, True),
     (True, True, 2, True), (False, True, 2, True), (True, False, 2, True)])
 def test_a_paying_draft_is_judged_on_more_than_a_handful_of_proposals(trial, fades_up, slow_steps, confirms,
                                                                      monkeypatch):
@@ -472,13 +471,15 @@ def test_a_paying_draft_is_judged_on_more_than_a_handful_of_proposals(trial, fad
     costs 1.3-1.6x high, plain steps won, and alpha faded towards 0.5, under the break-even,
     for the rest of the run. Checking TRIAL proposals first, and fading towards the run's alpha
     where that is over 0.5, 32 runs of 16 rows (after one not counted) average 1.42x plain steps,
-    none under 1.23x, with one slow step a gamma; 1.37x, none under 1.29x, with two (without the
-    first, 1.35x, one at 1.02x; without the second, 1.33x, one at 1.08x). A gamma's first timing
-    is timed again at once (GammaPolicy.confirming) and, lower, stands: with one slow step that
-    alone keeps the runs speculating (without TRIAL, 1.42x, none under 1.15x; without either,
-    1.37x, one at 0.99x). A gamma timed once is priced no higher than the line through those
-    timed twice (StepCosts.basis), so the gammas that pay are soon timed again, and plain steps,
-    along which alpha fades, come seldom."""
+    none under 1.23x, with one slow step a gamma; 1.37x, none under 1.27x, with two (without the
+    first, 1.33x, one at 0.99x; without the second, 1.33x, one at 1.05x). A gamma's first timing
+    is timed again at once (GammaPolicy.confirming) and, lower, stands: with TRIAL, that is not
+    needed with one slow step (1.42x, none under 1.32x without it); without TRIAL, it kept the
+    runs speculating while a gamma timed once priced no probe, whose probes came every 16 to 32
+    plain steps (1.42x, none under 1.15x); priced, probes wait for the draft's catch-up, and one
+    run falls to 1.07x. A gamma timed once is priced no higher than the line through those timed
+    twice (StepCosts.basis), so the gammas that pay are soon timed again, and plain steps, along
+    which alpha fades, come seldom."""
     if not trial:
         monkeypatch.setattr(policy_module, "TRIAL", 0)
     if not fades_up:
@@ -496,7 +497,7 @@ def test_a_paying_draft_is_judged_on_more_than_a_handful_of_proposals(trial, fad
 
         spent = decode_batches(GammaPolicy(gamma_max=8), 0.85, seconds, [[64]] * 17, seed, catch_up=0.04, prompt=47)
         speed_ups.append(16 * 64 / sum(spent[1:]))
-    judged = trial or confirms and slow_steps == 1  # the first slow step's timing does not stand
+    judged = trial  # a bad start's way back
     assert (sum(speed_ups) / len(speed_ups) > 1.3 and min(speed_ups) > 1.1) == (fades_up and judged)
 
 
@@ -606,24 +607,20 @@ def test_a_lone_step_shortens_the_batch_by_what_every_row_near_its_end_accepts()
     assert rows.critical[1] > 1.2  # where every step speculates, the slowest row gains too
 
 
-@pytest.mark.parametrize("rules", ["both", "probes priced by any timing", "first timings averaged"])
-def test_first_timings_neither_price_probes_nor_stand_when_the_next_is_lower(rules, monkeypatch):
+@pytest.mark.parametrize("rules", ["both", "no re-timing", "first timings averaged"])
+def test_high_first_timings_do_not_keep_a_paying_run_on_plain_steps(rules, monkeypatch):
     """8 rows, acceptance 0.74, gamma 2 and 3 paying about 1.25x, the draft's catch-up priced
     (as on a Qwen 2 pair built like the paying one, at batch 8 in float32), each cell's first
     timing 1.3-1.6x (a shape's first run) and 15 % of steps stalled 1.3-2x. In these four runs
     (of 200) the trial's few steps each timed another gamma once, high, and plain steps won; a
     probe priced by those timings came some 250 plain steps on, past the four batches after the
-    first (a bench's timed runs), which all ran plain steps. A gamma timed once pricing no probe
-    (GammaPolicy.priced), and its second timing standing where lower (StepCosts.confirming), each
-    run speculates on most steps after its first batch; with either rule alone some do not. The
-    re-timing at once of a gamma's first timing (GammaPolicy.confirming) times each gamma the
-    trial tries twice, so these runs are checked without it: with it, over 200 runs, none stay
-    plain with both rules or with the second timing's alone, 8 with the probes' alone (the
-    re-timing is the second timing's to use), 13 with neither."""
-    if rules != "both":
+    first (a bench's timed runs), which all ran plain steps. A gamma's first timing timed again
+    at once (GammaPolicy.confirming) and the lesser of the two standing (StepCosts.confirming),
+    each run speculates on most steps after its first batch; without either, some do not (over
+    200 runs: none stay on plain steps with both, 10 without the re-timing, 14 without the
+    lesser standing)."""
+    if rules == "no re-timing":
         without_confirming(monkeypatch)
-    if rules == "probes priced by any timing":
-        monkeypatch.setattr(GammaPolicy, "priced", lambda self, rows, choice: True)
     if rules == "first timings averaged":
         plain_only = lambda self, rows, gamma: gamma == 0 and self.plain_timings[rows] == 1  # noqa: E731
         monkeypatch.setattr(StepCosts, "confirming", plain_only)
@@ -657,9 +654,11 @@ def test_a_probe_is_priced_as_a_lone_step_among_plain_ones(rows, steps):
     among 4 rows tied at the longest remainder by 1 + 0.2^4 tokens, the fixed half's work
     forgone (a loss of 0.4: a probe after 40). On the embedded pair in bfloat16 at 8 rows, a
     probe's two steps of gamma 1 cost its batch 95-113 ms of 3.9 s (20 runs against plain steps
-    alone), priced at 28 ms as a step among speculating ones, at 46 ms as a lone one."""
+    alone), priced at 28 ms as a step among speculating ones, at 46 ms as a lone one. Its cost
+    is the estimate, though timed once (a gamma timed under twice priced none before: its probes
+    came every 16 plain steps)."""
     policy = GammaPolicy(gamma_max=1)
-    for g in (0, 1, 1):  # gamma 1 timed twice: its cost prices its probe (GammaPolicy.priced)
+    for g in (0, 1):
         policy.costs.add(rows, g, 1.0 + 0.5 * g)
     measured(policy, 0.2)
     assert next(step for step in range(1, 5000) if policy.choose(rows, None)) == steps
@@ -998,10 +997,11 @@ def test_the_sizes_a_batch_shrinks_to_are_priced_off_known_ones(known, monkeypat
     acceptance 0.35; plain steps 98-121 ms at 11 to 16 rows (as the embedded pair's in float32:
     no cheaper with fewer rows), gamma 1 1.3x that and 0.35x more a proposal (gamma 1 loses 3 %),
     each cell's first timing 1.3-1.6x, 5 % of steps 1.3-2x. Priced off known sizes, auto runs at
-    0.965x plain steps (12 seeds); each size off its own timings, 0.955x (a plain step timed
+    0.977x plain steps (12 seeds); each size off its own timings, 0.965x (a plain step timed
     once high priced gamma 1 under a plain step, at that size and, lent, at those under it).
-    Without the re-timing at once of a gamma's first timing (GammaPolicy.confirming), 0.958x and
-    0.946x."""
+    With a gamma timed once pricing no probe (its probes every 16 to 32 plain steps, until
+    2026-11-29), 0.965x and 0.955x; without the re-timing at once of a gamma's first timing
+    (GammaPolicy.confirming) as well, 0.958x and 0.946x."""
     if not known:
         monkeypatch.setattr(StepCosts, "known", lambda self, rows: True)
     plain_at = {11: 0.112, 12: 0.098, 13: 0.107, 14: 0.115, 15: 0.121, 16: 0.107}
@@ -1026,7 +1026,7 @@ def test_the_sizes_a_batch_shrinks_to_are_priced_off_known_ones(known, monkeypat
         plain = GammaPolicy(gamma_max=8)
         plain.choose = lambda *args, **kwargs: 0
         ratios.append(run(seed, plain) / run(seed, GammaPolicy(gamma_max=8)))
-    assert (sum(ratios) / len(ratios) > 0.96) == known
+    assert (sum(ratios) / len(ratios) > 0.97) == known
 
 
 def test_a_timing_far_over_its_estimate_counts_only_if_the_next_one_is_too():

@@ -121,21 +121,29 @@ per second; gamma 0 is a plain target step, the draft sits out.
   draft's catch-up, timed apart (below), so it measures alpha alone: the step after it takes
   the same gamma and is timed as that gamma, or a gamma whose cost was timed high once (a
   batch size's first shapes) would keep plain steps on through every probe.
-- A probe's loss is priced with the cost the probe is there to time: a gamma timed once at this
-  B (or never: priced off other cells) prices none, and its probe comes on the doubling schedule
-  alone; and a gamma's second timing at a B replaces its first if lower. A first timing is the
-  least sure (a shape's first run, a stall in it), and at 8 rows or more the trial's few steps
-  each try another gamma, so that every gamma's price can be a first timing when plain steps
-  win; their loss then priced the first probe some 250 plain steps on, the draft's catch-up in
-  it, past the bench's runs. Seen once in 8 bench runs of a Qwen 2 pair built like the paying
-  one (hidden 512, 8 layers, a one-layer draft) at batch 8 in float32: auto ran plain steps
-  through its timed runs (0.96x ar, where fixed gamma 3 ran 1.18x). Simulated (8 rows, alpha
-  0.74, gamma 2 and 3 paying about 1.25x, each cell's first timing 1.3-1.6x, 5 % or 15 % of
-  steps stalled 1.3-2x, a warm-up batch and four more): 2 and 4 of 200 runs ended their first
-  batch on plain steps and kept them through the next four; with the probes' rule alone 1 and 1,
-  the second timing's alone 1 and 5, both none. Elsewhere they change little (the simulations
-  of tests/test_policy.py; at batch 1 with phases, 40 runs, 0.979x to 0.977x fixed gamma 1), and
-  a useless draft's probes still cost about 1 % (its gamma, timed twice, prices them).
+- A probe's loss is priced with the costs as estimated, a gamma timed once at this B (or never:
+  priced off other cells) included. A first timing is the least sure (a shape's first run, a
+  stall in it), and at 8 rows or more the trial's few steps each try another gamma: priced by
+  one high timing each, their loss put the first probe some 250 plain steps on, the draft's
+  catch-up in it, past the bench's runs (seen once in 8 bench runs of a Qwen 2 pair built like
+  the paying one at batch 8 in float32: plain steps through its timed runs, 0.96x ar, where
+  fixed gamma 3 ran 1.18x). Two rules keep such a timing from standing: a gamma's first timing
+  at a B is timed again at once (below), and the lesser of the two stands. Simulated (8 rows,
+  alpha 0.74, gamma 2 and 3 paying about 1.25x, each cell's first timing 1.3-1.6x, 15 % of
+  steps stalled 1.3-2x, a warm-up batch and four more), no run of 200 ends its first batch on
+  plain steps and keeps them; 10 without the re-timing, 14 without the lesser standing. Until
+  2026-11-29 a gamma timed under twice at B priced no probe, which came on the doubling
+  schedule alone: at the sizes a batch's end passes through in a few steps each, a probe every
+  16 to 32 plain steps, each with the draft's catch-up (traced on the embedded pair in float32
+  at 16 rows: 7 of auto's 13 runs of speculation in its 5 passes, the warm-up's included, were
+  probes, 6 of them at 2 to 15 rows, priced at 0.63-0.98 of a plain step's work a second; auto
+  ran at 0.95x ar). Simulated over ten models of the test machine (24 seeds each; each cell's
+  first timing 1.3-1.6x, steps 0.88-1.18x at random and 5 % of them 1.3-2x, the machine's speed
+  in phases of about a batch, each batch size's first step untimed), auto over plain steps went
+  from 0.952 to 0.964, 0.967 to 0.974 and 0.932 to 0.970 where gamma 1 loses a little, and
+  from 1.086 to 1.074 on the paying pair's traced costs at 16 rows (+0.4 % on the mean of the
+  ten). The probes given up are a bad start's way back at batch 1: with no trial (TRIAL 0), one
+  of 32 runs fell to 1.07x plain steps where gamma 4 runs 1.42x (tests/test_policy.py).
 - A gamma's first timing at a B is confirmed at once: the next step at B takes the same gamma
   (chain or tree), and the lesser of its two timings stands (StepCosts.confirming). Its one
   timing, a shape's first run or a stall in it, priced that gamma and, along the cost line, the
@@ -745,7 +753,7 @@ class GammaPolicy:
         probe = max((c for c in choices if c.gamma), key=lambda c: c.rate)
         steps = 2 if behind > 1 else 1  # after a catch-up, one more step times the probe's gamma
         loss = (steps * (probe.seconds - probe.lone) + catch_up) / costs[0]  # in plain steps: cost - work
-        wait = max(self.probe_gap, loss / PROBE_BUDGET) if self.priced(rows, probe) else self.probe_gap
+        wait = max(self.probe_gap, loss / PROBE_BUDGET)
         if self.plain_steps < wait:
             return 0
         self.plain_steps, self.probe_gap = 0, min(2 * self.probe_gap, PROBE_LAST)
@@ -753,11 +761,6 @@ class GammaPolicy:
         if steps == 2:
             self.probing = (probe.gamma, probe.tree)
         return probe.gamma
-
-    def priced(self, rows: int, choice: Choice) -> bool:
-        """Whether the choice's cost at `rows` was timed twice at least, so that it may price the
-        loss of a probe of it (see probes in the module's notes)."""
-        return self.costs_of(choice.tree).timings_of(rows, choice.gamma) >= 2
 
     def retime(self, rows: int, best: Choice, choices: list[Choice]) -> int:
         """best's gamma, or another choice's: the one timed longest ago at `rows`, RETIME_GAP
