@@ -253,6 +253,20 @@ def test_gammas_never_timed_leave_the_re_timings_to_those_timed():
     assert late.count(1) > 0.9 * len(late)
 
 
+def test_re_timings_go_to_the_plain_step_and_the_gammas_next_to_the_best():
+    """Every gamma timed once, exactly (a step 1.1 plain steps and 0.15 more a proposal), alpha
+    0.8: gamma 5 is the best. The re-timings go to the plain step and gammas 4 and 6, those that
+    can overtake it; taken by the oldest timing alone, they went to every gamma in turn, up to 8."""
+    cost = lambda g: 1.1 + 0.15 * g if g else 1.0  # noqa: E731
+    best = by_formula(0.8, cost, gamma_max=8)
+    policy = GammaPolicy(gamma_max=8)
+    timed(policy, cost)
+    measured(policy, 0.8)
+    chosen = simulate(policy, lambda step: 0.8, cost, steps=400)
+    assert set(chosen) == {0, best - 1, best, best + 1}
+    assert chosen.count(best) > 0.9 * len(chosen)
+
+
 @pytest.mark.parametrize("retimes", [True, False])
 def test_a_plain_step_timed_slow_once_is_re_timed_while_speculating(retimes, monkeypatch):
     """Acceptance 0.2, gamma 1 at 1.3 plain steps: plain steps are best (1.2 tokens for 1.3x),
@@ -316,12 +330,14 @@ def paying_step(rows: int, gamma: int) -> float:
 
 @pytest.mark.parametrize("holds", [True, False])
 def test_timings_far_over_their_estimate_are_held_until_confirmed(holds, monkeypatch):
-    """5 % of steps take 1.3-2x their time (the 2-core VM: a paying pair's plain steps at 8 rows
+    """10 % of steps take 1.3-2x their time (the 2-core VM: a paying pair's plain steps at 8 rows
     read 34-42 ms and now and then 46-57; one gamma 4 step at 7 rows 202 ms against 108), on
     batches of 16 rows at acceptance 0.85, where gamma 1 is the best fixed choice. Counted, an
     outlier lifts a moving average by a fifth of its excess, or is all of a stale cell's
-    estimate, and auto takes other gammas or plain steps for a while: 0.962x fixed gamma 1 over
-    4 runs of 30 batches. Held until the next timing confirms it: 0.974x."""
+    estimate, and auto takes other gammas or plain steps for a while: 0.946x fixed gamma 1 over
+    4 runs of 30 batches. Held until the next timing confirms it: 0.985x. (With 5 % of steps
+    slow, the re-timings of the best gamma's neighbours alone recover most of it: 0.976x, held
+    0.979x.)"""
     if not holds:
         monkeypatch.setattr(policy_module, "HOLD", math.inf)
     ratios = []
@@ -333,7 +349,7 @@ def test_timings_far_over_their_estimate_are_held_until_confirmed(holds, monkeyp
             outliers = random.Random(seed + 1)
 
             def seconds(batch: int, rows: int, gamma: int) -> float:
-                return paying_step(rows, gamma) * (outliers.uniform(1.3, 2.0) if outliers.random() < 0.05 else 1.0)
+                return paying_step(rows, gamma) * (outliers.uniform(1.3, 2.0) if outliers.random() < 0.1 else 1.0)
 
             return sum(decode_batches(policy, 0.85, seconds, [list(rows) for rows in lengths], seed))
 
