@@ -133,15 +133,21 @@ def check_kind(config, spec: str) -> None:
         )
 
 
+RECURRENT_LAYERS = {"linear_attention", "mamba", "conv", "recurrent", "hybrid", "rwkv"}  # layer_types that carry a state
+
+
 def check_layers(model, spec: str) -> None:
-    """Refuse a model with layers whose state batchspec cannot mask by position and cut back."""
-    if getattr(model, "_is_stateful", False):  # what generate() checks: a recurrent state, not a KV cache
+    """Refuse a model with layers whose state batchspec cannot mask by position and cut back:
+    a recurrent state (older transformers releases mark such models _is_stateful; 5.25 does not,
+    and names their layers: Mamba's "linear_attention", LFM2's "conv", ...), or another kind of
+    attention."""
+    layer_types = set(getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ())
+    if getattr(model, "_is_stateful", False) or layer_types & RECURRENT_LAYERS:
         raise ModelError(
             f"{spec!r} is a {type(model).__name__}, whose recurrent state cannot be rolled back to the "
             "accepted tokens; batchspec needs attention-only models (a KV cache)"
         )
-    layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ()
-    other = set(layer_types) - {"full_attention", "sliding_attention"}
+    other = layer_types - {"full_attention", "sliding_attention"}
     if other:
         raise ModelError(
             f"{spec!r} has {', '.join(sorted(other))} layers; batchspec supports full and "
