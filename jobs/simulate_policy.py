@@ -3,9 +3,9 @@ decodes static batches (tests/test_policy.py's decode_batches: synthetic accepta
 from a model of a machine) under the timing noise of the 2-core test VM, and the same batches are
 decoded by plain steps and by each fixed gamma under the same noise. Prints, per scenario, auto's
 speed over plain steps and over the best of the others (means over seeds of per-seed ratios),
-and their mean over the scenarios. This is how the README's "simulated" numbers are measured,
-and the way to try a change to the policy before a bench: `--policy FILE` runs a copy of
-batchspec/decoding/policy.py instead of the installed one.
+and their mean over the scenarios. This is how the "simulated" numbers of
+docs/performance-history.md are measured, and the way to try a change to the policy before a
+bench: `--policy FILE` runs a copy of batchspec/decoding/policy.py instead of the installed one.
 
 Noise (--noise, all by default): first: each (rows, gamma)'s first step 1.3-1.6x (a shape's first
 run); stall: 5 % of steps 1.3-2x; phases: the machine's speed 0.8-1.25x in phases of 60 steps,

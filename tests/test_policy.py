@@ -1093,8 +1093,8 @@ def test_rows_that_ended_stay_only_where_more_rows_were_timed_faster():
 
 
 def test_the_simulation_script_compares_auto_with_plain_steps_and_fixed_gammas():
-    """jobs/simulate_policy.py, which measures the README's simulated numbers: on the test VM's
-    costs at batch 1, where gamma 2 to 4 run 1.3-1.45x plain steps, auto runs 1.35x plain steps
+    """jobs/simulate_policy.py, which measures docs/performance-history.md's simulated numbers: on
+    the test VM's costs at batch 1, where gamma 2 to 4 run 1.3-1.45x plain steps, auto runs 1.35x plain steps
     and 1.00x the best fixed gamma without noise, 1.41x and 0.97x under all of the VM's (2 seeds)."""
     script = Path(__file__).parent.parent / "jobs/simulate_policy.py"
     spec = importlib.util.spec_from_file_location("simulate_policy", script)
