@@ -133,7 +133,8 @@ def check_kind(config, spec: str) -> None:
         )
 
 
-RECURRENT_LAYERS = {"linear_attention", "mamba", "conv", "recurrent", "hybrid", "rwkv"}  # layer_types that carry a state
+# layer_types that carry a recurrent state
+RECURRENT_LAYERS = {"linear_attention", "mamba", "conv", "recurrent", "hybrid", "rwkv"}
 
 
 def check_layers(model, spec: str) -> None:

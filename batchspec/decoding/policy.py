@@ -158,11 +158,12 @@ per second; gamma 0 is a plain target step, the draft sits out.
   -1.3 % (batch 1); with each step's cost exact (5 % noise), +0.2 % on the mean.
 - While a gamma > 0 wins, another choice, a plain step included, is re-timed now and then: of
   the plain step and the gammas next to the best, the one timed longest ago at this B, at least
-  RETIME_GAP steps apart and within the same 1% budget of its estimated loss (GammaPolicy.retime). A cost is updated only when its gamma runs, and one slow
-  timing (a busy machine; a batch size's first step, with tensor shapes not run before) would
-  otherwise keep a gamma out for the rest of the run, or, a plain step's, keep speculation on
-  where it loses (traced at batch 8 on the embedded pair: a plain step at 7 rows timed once at
-  87 ms against 58-65 ms at 6 and 8 rows, and every later step at 7 rows speculated). A
+  RETIME_GAP steps apart and within the same 1% budget of its estimated loss
+  (GammaPolicy.retime). A cost is updated only when its gamma runs, and one slow timing (a busy
+  machine; a batch size's first step, with tensor shapes not run before) would otherwise keep a
+  gamma out for the rest of the run, or, a plain step's, keep speculation on where it loses
+  (traced at batch 8 on the embedded pair: a plain step at 7 rows timed once at 87 ms against
+  58-65 ms at 6 and 8 rows, and every later step at 7 rows speculated). A
   plain step's cost at this B timed PLAIN_STALE timings ago or more is re-timed first, on a
   budget of its own: whether speculation pays at all turns on it, and the shared budget,
   priced by the same stale cost, went to the many gammas > 0. The machine's speed comes in
