@@ -60,18 +60,22 @@ def some_end_early(rng: random.Random, rows: int) -> list[int]:
     return [64] * (rows - rows // 4) + [rng.randint(20, 64) for _ in range(rows // 4)]
 
 
-# name -> (step costs, alpha, rows, the rows' lengths, the fixed gammas compared)
+# name -> (step costs, alpha, rows, the rows' lengths, the fixed gammas compared, the sd of the rows' alphas)
 SCENARIOS = {
-    "ef16 a.33": (embedded, 0.33, 16, some_end_early, [1, 2]),
-    "ef8 a.33": (embedded, 0.33, 8, some_end_early, [1, 2]),
-    "ef16 a.45": (embedded, 0.45, 16, some_end_early, [1, 2]),
-    "ef4 a.4": (embedded, 0.4, 4, some_end_early, [1, 2]),
-    "traced16 a.77": (traced16, 0.77, 16, full, [1, 2, 3]),
-    "traced16 a.5": (traced16, 0.5, 16, some_end_early, [1, 2]),
-    "traced16 a.6 b8": (traced16, 0.6, 8, full, [1, 2, 3]),
-    "paying4 a.8": (paying_step, 0.8, 4, full, [2, 3, 4, 5]),
-    "cpu8 a.5": (cpu_step, 0.5, 8, full, [1, 2, 3]),
-    "cpu1 a.7": (cpu_step, 0.7, 1, full, [2, 3, 4, 5]),
+    "ef16 a.33": (embedded, 0.33, 16, some_end_early, [1, 2], 0.0),
+    "ef8 a.33": (embedded, 0.33, 8, some_end_early, [1, 2], 0.0),
+    "ef16 a.45": (embedded, 0.45, 16, some_end_early, [1, 2], 0.0),
+    "ef4 a.4": (embedded, 0.4, 4, some_end_early, [1, 2], 0.0),
+    "traced16 a.77": (traced16, 0.77, 16, full, [1, 2, 3], 0.0),
+    "traced16 a.5": (traced16, 0.5, 16, some_end_early, [1, 2], 0.0),
+    "traced16 a.6 b8": (traced16, 0.6, 8, full, [1, 2, 3], 0.0),
+    "paying4 a.8": (paying_step, 0.8, 4, full, [2, 3, 4, 5], 0.0),
+    "cpu8 a.5": (cpu_step, 0.5, 8, full, [1, 2, 3], 0.0),
+    "cpu1 a.7": (cpu_step, 0.7, 1, full, [2, 3, 4, 5], 0.0),
+    # rows whose alphas differ: the embedded pair's rows spread by 0.11 about 0.33 (one batch of 16 with gamma 1)
+    "ef16 a.4 sd.11": (embedded, 0.4, 16, some_end_early, [1, 2], 0.11),
+    "traced16 a.7 sd.1": (traced16, 0.7, 16, full, [1, 2, 3], 0.1),
+    "cpu8 a.6 sd.15": (cpu_step, 0.6, 8, full, [1, 2, 3], 0.15),
 }
 
 
@@ -119,7 +123,7 @@ def phase_told(policy, level) -> None:
 
 def run(scenario: str, method: str, seed: int, noise: frozenset, policy_path: str | None, oracle: bool) -> float:
     """One run's seconds over its batches after the first."""
-    step, alpha, rows, lengths_of, _ = SCENARIOS[scenario]
+    step, alpha, rows, lengths_of, _, alpha_sd = SCENARIOS[scenario]
     rng, levels_rng, lengths_rng = random.Random(seed + 7), random.Random(seed + 99), random.Random(seed)
     levels = [levels_rng.uniform(0.8, 1.25) for _ in range(50)]
     steps, timed_before = [0], set()
@@ -144,7 +148,7 @@ def run(scenario: str, method: str, seed: int, noise: frozenset, policy_path: st
     if "untimed" in noise:
         untimed_at_new_sizes(policy)
     lengths = [lengths_of(lengths_rng, rows) for _ in range(BATCHES + 1)]
-    return sum(decode_batches(policy, alpha, seconds, lengths, seed, catch_up=0.0001, prompt=50)[1:])
+    return sum(decode_batches(policy, alpha, seconds, lengths, seed, catch_up=0.0001, prompt=50, alpha_sd=alpha_sd)[1:])
 
 
 def compare(scenario: str, seeds: int, noise: frozenset, policy_path: str | None, oracle: bool) -> dict[str, float]:

@@ -402,6 +402,23 @@ def test_rows_that_ended_kept_inert_change_nothing(case, drafter, gammas, keep):
         assert rows[-1] < len(prompts) and sum(rows) > sum(r.stats["target_forwards"] for r in out.rows)
 
 
+def test_the_policy_is_told_each_rows_proposals_as_it_ends(case):
+    """Each row's proposals accepted and checked over its whole completion (checked: up to the
+    first rejection in each step) reach the policy once, as the row ends: they price the run's
+    spread of alphas."""
+    family, pair, prompts, expected = case
+    ended = []
+
+    class Recording(Scripted):
+        def row_ended(self, accepted, checked):
+            ended.append((accepted, checked))
+
+    out = decode(pair, pair.draft, prompts, None, Recording(SWITCHING, 8))
+    rows = [(sum(r.trace["accepted"]), sum(min(n + 1, k) for n, k in zip(r.trace["accepted"], r.trace["proposed"])))
+            for r in out.rows]
+    assert Counter(ended) == Counter(rows) and sum(checked for _, checked in rows) > sum(n for n, _ in rows) > 0
+
+
 def test_a_step_over_a_batch_of_new_shape_is_not_timed(case):
     """The prefill's step and the first step after rows left (fresh buffers of new shapes, often
     slower) go untimed; every other step is timed by its batch's rows."""

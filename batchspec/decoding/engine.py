@@ -165,6 +165,11 @@ class Tally:
         self.histogram, self.gammas = [0] * (self.gamma_max + 1), [0] * (self.gamma_max + 1)
         self.branches = [0] * self.tree_width
 
+    @property
+    def checked(self) -> int:
+        """Its proposals checked over its completion: in each step, up to the first rejection."""
+        return sum(min(n + 1, k) for n, k in zip(self.accepted_steps, self.proposed_steps))
+
     def cut_at_stop(self, tokens: list[int]) -> list[int]:
         """The tokens up to the one that completes a stop string (all of them when none does)."""
         for k, token in enumerate(tokens):
@@ -543,18 +548,22 @@ class BatchDecoder:
     def expected_tokens(self, n: list[float], lengths: list[int], finished: list[float]) -> Expected:
         """What the rows still live after this step are expected to yield per gamma with a
         chain, each at its own alpha (updated with this step's n of `lengths` proposals, none
-        after a tree) and remaining limit; on the host, from the step's sync. Also sets
-        self.left, those remaining limits summed."""
+        after a tree) and remaining limit, the rows priced alike spread by the run's spread of
+        alphas; on the host, from the step's sync. Also sets self.left, those remaining limits
+        summed, and tells the policy the proposals of each row that ended."""
         seen, remaining = [], []
         for tally, k, proposed, done in zip(self.tallies, n, lengths, finished):
             if tally is None:  # inert
                 continue
             tally.seen = row_seen(tally.seen, int(k) if proposed else 0, proposed)  # after a tree: the fading only
-            if not done:
+            if done:
+                self.policy.row_ended(tally.accepted, tally.checked)
+            else:
                 seen.append(tally.seen)
                 remaining.append(tally.limit - len(tally.tokens))
         self.left = sum(remaining)
-        return expected_tokens(row_alphas(seen, self.policy.alpha), remaining, self.policy.gamma_max)
+        alphas, spread = row_alphas(seen, self.policy.alpha, self.policy.spread)
+        return expected_tokens(alphas, remaining, self.policy.gamma_max, spread)
 
     def evict(self, finished: torch.Tensor, ended: list[bool], stopped_host: list[float], gamma: int) -> None:
         """Move the rows that ended this step (ended: host bools) into results, and out of the

@@ -14,14 +14,28 @@ per second; gamma 0 is a plain target step, the draft sits out.
   finish in smaller, dearer steps. So a step's work is what it takes off the time plain steps
   would need to finish the batch, c * (the longest remainder) + d * (all rows' remainders),
   where T(B, 0) = c + d * B (c: what every step costs, d: each row's share, fitted from the
-  plain steps timed at different batch sizes): a step yielding `tokens` in all and shortening
-  the longest remainder by `critical` does c * critical + d * tokens (a plain step: its own
-  cost). Where c is small (a CPU at large batches) this is the goodput; where it dominates (a
-  GPU's weight-bound steps) speculation pays only as far as the slowest rows gain. The longest
-  remainder shrinks by its row's mean yield times tail_share: yields spread from step to step,
-  and the batch waits for the last of its rows (traced on a paying pair at 16 rows in float32:
-  priced at the mean, auto speculated on 41 % of its row-steps and ran at 0.91x ar, where every
-  fixed gamma lost; with the lag, 0.97x, plain steps).
+  plain steps timed at different batch sizes: StepCosts.fixed_share): a step yielding `tokens`
+  in all and shortening the longest remainder by `critical` does c * critical + d * tokens (a
+  plain step: its own cost). d is shrunk towards PRIOR_FIXED_SHARE's by FIXED_PRIOR rows^2:
+  a batch whose rows end late passes through a few sizes close together, and until 2026-12-05
+  sizes under 2x apart read the prior alone (traced on the embedded pair in bfloat16 at 16
+  rows: plain steps 48-53 ms at 10 to 16 rows, a fixed share near 1, priced at 0.5: gamma 1's
+  work 1.29 plain steps where its critical rows gained 1.20, a promised 4 % where it lost 9 %;
+  fitted, 0.73). Where c is small (a CPU at large batches) this is the goodput; where it
+  dominates (a GPU's weight-bound steps) speculation pays only as far as the slowest rows
+  gain. The longest remainder shrinks by its row's mean yield times tail_share: yields spread
+  from step to step, and the batch waits for the last of its rows (traced on a paying pair at
+  16 rows in float32: priced at the mean, auto speculated on 41 % of its row-steps and ran at
+  0.91x ar, where every fixed gamma lost; with the lag, 0.97x, plain steps).
+- Rows differ: each accepts at its own rate, and the batch waits for the slowest pace. Rows told
+  apart (alpha, below) are priced each at its own alpha; rows that are not (a batch's first
+  steps; with gamma 1 a row checks one proposal a step, too few to tell) are priced at the run's
+  alpha, their mean yields spread by spread * (dE/dalpha)^2, spread the variance of the run's
+  rows' alphas, measured on the rows that ended (GammaPolicy.spread), and the slowest of B such
+  rows takes longest / (E - z sqrt of that) steps (tail_share). Traced on the embedded pair in
+  bfloat16 at 16 rows with gamma 1: the rows' rates ran from 0.12 to 0.64 (sd 0.11 about 0.33)
+  and read as alike on their faded evidence; priced alike, gamma 1 promised 3.5-12 % over a
+  plain step where it lost 9 %, and auto speculated on half its row-steps at 0.93x ar.
 - alpha: per row, its own checked proposals (older ones fading) shrunk towards the run's alpha, so
   that rows that copy their prompt and rows that do not are told apart. The slowest row's estimate
   prices the batch's length, and the least of B noisy estimates is biased low: the run's alpha
@@ -254,6 +268,7 @@ TRIAL = 16  # proposals a run checks before its alpha may stop speculation (twic
 STALE = 2.0  # a gamma timed while a plain step cost this many times what it costs now is priced anew
 MARGIN = 0.03  # the least gain in expected work per second over a plain step that speculation needs
 PRIOR_FIXED_SHARE = 0.5  # the share of a plain step that does not grow with its rows, before it was measured
+FIXED_PRIOR = 8.0  # rows^2: the weight of PRIOR_FIXED_SHARE in the line through the plain steps (fixed_share)
 CONTEXT_PRIOR = 2000.0  # slots^2 of spread within cells: the weight of a growth of 0 (StepCosts.learn)
 CATCH_PRIOR = 8.0  # row-tokens read at no cost: the weight of a catch-up cost of 0 (GammaPolicy.observe)
 CATCH_DECAY = 0.8  # per catch-up: how much an older one weighs in the catch-up cost
@@ -274,24 +289,29 @@ def chain_tokens(alpha: float, gamma: int) -> float:
     return (1 - a ** (gamma + 1)) / (1 - a)
 
 
-def expected_tokens(alphas: list[float], remaining: list[int], gamma_max: int) -> Expected:
+def expected_tokens(alphas: list[float], remaining: list[int], gamma_max: int, spread: float = 0.0) -> Expected:
     """A step's expected yield per gamma from the rows' alphas and the tokens each may still
     generate: E = 1 + a + ... + a^(m-1) per row, m = min(gamma + 1, remaining), summed; and the
     longest remainder before the step less the longest after it, times the share of it the
-    batch's end gains when the rows' yields spread (tail_share)."""
+    batch's end gains when the rows' yields spread (tail_share). spread: the variance of the
+    rows' true alphas about `alphas` (rows priced alike: row_alphas), which spreads their mean
+    yields by spread * (dE/dalpha)^2."""
     totals = [0.0] * (gamma_max + 1)
     after = [0.0] * (gamma_max + 1)  # the longest remainder after the step
-    moments = [(1.0, 0.0)] * (gamma_max + 1)  # the mean and variance of the yield of the row that holds it
+    moments = [(1.0, 0.0, 0.0)] * (gamma_max + 1)  # the yield of the row that holds it: mean, variance, mean's
     for alpha, left in zip(alphas, remaining):
-        power, tokens, square = 1.0, 0.0, 0.0  # square: E(t^2) = sum of (2k + 1) a^k, k < m
+        power, below = 1.0, 0.0  # a^gamma, a^(gamma-1)
+        tokens, square, slope = 0.0, 0.0, 0.0  # E; E(t^2) = sum of (2k + 1) a^k; dE/da = sum of k a^(k-1), k < m
         for gamma in range(gamma_max + 1):
             if gamma < left:
-                tokens, square, power = tokens + power, square + (2 * gamma + 1) * power, power * alpha
+                tokens, square, slope = tokens + power, square + (2 * gamma + 1) * power, slope + gamma * below
+                power, below = power * alpha, power
             totals[gamma] += tokens
             if left - tokens > after[gamma]:
-                after[gamma], moments[gamma] = left - tokens, (tokens, square - tokens**2)
+                after[gamma], moments[gamma] = left - tokens, (tokens, square - tokens**2, spread * slope**2)
     longest = max(remaining, default=0)
-    critical = [(longest - a) * tail_share(longest, *m, len(remaining)) for a, m in zip(after, moments)]
+    critical = [(longest - a) * tail_share(longest, mean, variance, len(remaining), apart)
+                for a, (mean, variance, apart) in zip(after, moments)]
     return Expected(totals, critical, lone_critical(alphas, remaining, gamma_max))
 
 
@@ -312,17 +332,26 @@ def lone_critical(alphas: list[float], remaining: list[int], gamma_max: int) -> 
     return lone
 
 
-def tail_share(longest: int, mean: float, variance: float, rows: int) -> float:
+def tail_share(longest: int, mean: float, variance: float, rows: int, apart: float = 0.0) -> float:
     """The share of its rows' expected yield by which a batch's end comes nearer, a step at a
-    time, where a step's yield varies by `variance` about `mean` per row: the longest remainder
-    takes longest / mean steps at the mean, and the last of `rows` rows to finish lags behind it
-    by the expected largest of `rows` standard normals (Blom's approximation) times the spread
-    of a row's progress over those steps, sqrt(variance * steps). Plain steps (no variance)
-    and a batch of one row (no largest of several) lose nothing."""
-    if rows < 2 or variance <= 0 or longest <= 0:
+    time, where a step's yield varies by `variance` about `mean` per row, and the rows' mean
+    yields by `apart` about that mean: the longest remainder takes steps = longest / mean at the
+    mean, and the last of `rows` rows to finish lags behind by z, the expected largest of `rows`
+    standard normals (Blom's approximation), times the spread of the steps a row takes: from its
+    yields' noise, sqrt(variance * steps) / mean (a renewal count's); from the rows' paces, the
+    slowest's, mean - z sqrt(apart) (one token a step at least), takes longest / that steps. The
+    two lags, each z spreads, add in quadrature. Simulated over 16 rows of 64 tokens, rows'
+    alphas spread by 0.13 about 0.35 with gamma 1: the batch's end came 1.109 tokens a step
+    nearer, priced 1.103 (1.199 with the rows' yields alike); 0.12 about 0.77 with gamma 3:
+    1.938, priced 1.965 (2.341). Plain steps (no variance) and a batch of one row (no largest
+    of several) lose nothing."""
+    if rows < 2 or variance + apart <= 0 or longest <= 0:
         return 1.0
-    lag = NormalDist().inv_cdf((rows - 0.375) / (rows + 0.25)) * math.sqrt(variance * longest / mean)
-    return longest / (longest + lag)
+    z = NormalDist().inv_cdf((rows - 0.375) / (rows + 0.25))
+    steps = longest / mean
+    noise_lag = z * math.sqrt(variance * steps) / mean
+    pace_lag = longest / max(mean - z * math.sqrt(apart), 1.0) - steps
+    return steps / (steps + math.hypot(noise_lag, pace_lag))
 
 
 def row_seen(seen: tuple[float, float, float], accepted: int, proposed: int) -> tuple[float, float, float]:
@@ -342,9 +371,12 @@ def row_alpha(accepted: float, checked: float, prior: float, weight: float = PRI
     return (accepted + weight * prior) / (checked + weight)
 
 
-def row_alphas(seen: list[tuple[float, float, float]], prior: float) -> list[float]:
+def row_alphas(seen: list[tuple[float, float, float]], prior: float,
+               run_spread: float = 0.0) -> tuple[list[float], float]:
     """The rows' alphas from their decayed (accepted, checked, squares) proposals, each shrunk
-    towards the run's alpha `prior` by the same weight (empirical Bayes). Were the rows alike,
+    towards the run's alpha `prior` by the same weight (empirical Bayes), and the variance of the
+    rows' true alphas about them: run_spread (GammaPolicy.spread) where the rows are not told
+    apart, 0 where they are. Were the rows alike,
     a row's rate would vary about prior by prior (1 - prior) / n, n = checked^2 / squares its
     proposals' effective count, and the rates' squared deviations from their mean, each over
     that noise (Pearson's chi-square, Q), would follow a chi-square of B - 1 degrees of freedom:
@@ -362,10 +394,11 @@ def row_alphas(seen: list[tuple[float, float, float]], prior: float) -> list[flo
         mean = sum(w * rate for w, (rate, _) in zip(precisions, rates)) / total
         pearson = sum(w * (rate - mean) ** 2 for w, (rate, _) in zip(precisions, rates))  # chi-square if alike
         if pearson <= chi_square_quantile(free, ALIKE_LEVEL):
-            return [prior] * len(seen)
+            return [prior] * len(seen), run_spread
         spread = (pearson - free) / (total - sum(w * w for w in precisions) / total)  # the true alphas' (D-L)
         weight = max(prior * (1 - prior) / spread - 1, PRIOR_WEIGHT)
-    return [row_alpha(accepted, checked, prior, weight) for accepted, checked, _ in seen]
+        run_spread = 0.0
+    return [row_alpha(accepted, checked, prior, weight) for accepted, checked, _ in seen], run_spread
 
 
 @functools.cache
@@ -564,12 +597,14 @@ class StepCosts:
 
     def fixed_share(self, rows: int) -> float:
         """c / T(rows, 0), where a plain step costs T(B, 0) = c + d * B: a least-squares line
-        through the plain steps timed at batch sizes a factor of 2 apart or more, else
-        PRIOR_FIXED_SHARE."""
+        through the plain steps timed at each batch size, its slope d shrunk towards the
+        prior's, (1 - PRIOR_FIXED_SHARE) of the mean plain step per mean row, with FIXED_PRIOR
+        rows^2 worth of it (PRIOR_FIXED_SHARE where a single batch size was timed)."""
         plain = {b: timed[0] for b, timed in self.cells.items() if 0 in timed}  # B -> seconds
-        if len(plain) < 2 or max(plain) < 2 * min(plain):
+        if not plain:
             return PRIOR_FIXED_SHARE
-        c, d = line(plain)
+        prior = (1 - PRIOR_FIXED_SHARE) * sum(plain.values()) / sum(plain)  # d: seconds a row
+        c, d = line(plain, prior=(prior, FIXED_PRIOR))
         return c / (c + d * rows)
 
     def fit(self, rows: int) -> tuple[float, float] | None:
@@ -602,13 +637,14 @@ class StepCosts:
         return line(timed, least=MIN_RISE * timed[0])  # timed holds the plain step here (else drafted had a line)
 
 
-def line(timed: dict[int, float], least: float = 0.0) -> tuple[float, float]:
+def line(timed: dict[int, float], least: float = 0.0, prior: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float]:
     """(intercept, slope) of the least-squares line seconds = a + b * x (x: gamma, or B), the
-    slope held at `least` or over."""
+    slope held at `least` or over; prior: (a slope, its weight in x^2) that the slope is shrunk
+    towards (ridge regression)."""
     n = len(timed)
     mean_g, mean_s = sum(timed) / n, sum(timed.values()) / n
-    spread = sum((g - mean_g) ** 2 for g in timed)
-    slope = max(sum((g - mean_g) * (s - mean_s) for g, s in timed.items()) / spread, least)
+    spread = sum((g - mean_g) ** 2 for g in timed) + prior[1]
+    slope = max((sum((g - mean_g) * (s - mean_s) for g, s in timed.items()) + prior[0] * prior[1]) / spread, least)
     return max(mean_s - slope * mean_g, 1e-9), slope
 
 
@@ -645,6 +681,7 @@ class GammaPolicy:
         self.accepted, self.checked = 0.0, 0.0  # decayed run totals
         self.run_accepted, self.run_checked = 0, 0  # the run's chain proposals accepted and checked, none faded
         self.tree_accepted, self.tree_checked = 0.0, 0.0  # decayed totals of the trees' paths
+        self.ended = (0, 0.0, 0.0, 0.0, 0.0)  # rows ended: count; accepted, checked, accepted^2 / checked, checked^2
         self.plain_steps, self.probe_gap = 0, PROBE_FIRST
         self.since_retime = 0  # speculative steps since another gamma than the best was re-timed
         self.credit, self.plain_credit = 0.0, 0.0  # best steps' worth of loss re-timings (stale plain steps') may spend
@@ -677,6 +714,27 @@ class GammaPolicy:
         with PRIOR_WEIGHT of PRIOR_ALPHA): evidence fades towards it (see alpha above)."""
         overall = row_alpha(self.run_accepted, self.run_checked, PRIOR_ALPHA)
         return row_alpha(self.accepted, self.checked, max(PRIOR_ALPHA, overall))
+
+    def row_ended(self, accepted: int, checked: int) -> None:
+        """A row's chain proposals accepted and checked over its whole completion, as it ends."""
+        if checked:
+            rows, accepted_sum, checked_sum, accepted_squares, checked_squares = self.ended
+            self.ended = (rows + 1, accepted_sum + accepted, checked_sum + checked,
+                          accepted_squares + accepted**2 / checked, checked_squares + checked**2)
+
+    @property
+    def spread(self) -> float:
+        """The variance of the run's rows' alphas about its mean, from the rows that ended: their
+        rates, each over its whole completion, spread by that and by their noise, alpha (1 -
+        alpha) / checked (DerSimonian and Laird's estimate, each row weighing its checked
+        proposals; 0 before two rows ended). A static batch ends with its slowest row, so rows
+        that differ make speculation pay less than rows alike at their mean alpha (see tail)."""
+        rows, accepted, checked, accepted_squares, checked_squares = self.ended
+        if rows < 2:
+            return 0.0
+        alpha = accepted / checked
+        spread = accepted_squares - accepted**2 / checked - (rows - 1) * alpha * (1 - alpha)
+        return max(spread / (checked - checked_squares / checked), 0.0)
 
     @property
     def tree_alpha(self) -> float:
