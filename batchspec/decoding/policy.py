@@ -716,7 +716,8 @@ class GammaPolicy:
         return row_alpha(self.accepted, self.checked, max(PRIOR_ALPHA, overall))
 
     def row_ended(self, accepted: int, checked: int) -> None:
-        """A row's chain proposals accepted and checked over its whole completion, as it ends."""
+        """A row's proposals accepted and checked over its whole completion (a tree's along its
+        accepted path), as it ends."""
         if checked:
             rows, accepted_sum, checked_sum, accepted_squares, checked_squares = self.ended
             self.ended = (rows + 1, accepted_sum + accepted, checked_sum + checked,
@@ -728,7 +729,7 @@ class GammaPolicy:
         rates, each over its whole completion, spread by that and by their noise, alpha (1 -
         alpha) / checked (DerSimonian and Laird's estimate, each row weighing its checked
         proposals; 0 before two rows ended). A static batch ends with its slowest row, so rows
-        that differ make speculation pay less than rows alike at their mean alpha (see tail)."""
+        that differ make speculation pay less than rows alike at their mean alpha (tail_share)."""
         rows, accepted, checked, accepted_squares, checked_squares = self.ended
         if rows < 2:
             return 0.0
