@@ -4,6 +4,11 @@ given) exactly as `tokenizer.apply_chat_template` renders them."""
 
 import functools
 import json
+import os
+import resource
+import select
+import signal
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -152,10 +157,22 @@ def normalized(message: dict, where: str, developer: bool, parts: bool) -> dict:
     return out
 
 
-def render(tokenizer, messages: list[dict], options: TemplateOptions, system: str | None = None) -> list[int]:
+@dataclass(frozen=True)
+class Bounds:
+    """What rendering a request's own chat template may take: it runs in a child process, so a
+    template that loops, or that builds a huge string, costs that row and nothing else."""
+
+    seconds: float = 5.0  # wall time
+    memory: int = 512 << 20  # bytes the child may grow by
+    chars: int = 1 << 24  # characters of rendered text
+
+
+def render(tokenizer, messages: list[dict], options: TemplateOptions, system: str | None = None,
+           bounds: Bounds | None = None) -> list[int]:
     """Token ids of a chat (a list of objects with a string role, as sources checked it), with
-    `system` added when it has no system (or developer) message. Raises ChatError for a chat the
-    template cannot take, UsageError when there is no template at all."""
+    `system` added when it has no system (or developer) message; rendered within `bounds` when
+    given. Raises ChatError for a chat the template cannot take, UsageError when there is no
+    template at all."""
     if not (options.template or tokenizer.chat_template):
         raise UsageError("the target's tokenizer has no chat template, so chat rows (messages, --chat, --system) "
                          "cannot be rendered; give plain prompts, a chat model or --chat-template FILE")
@@ -167,9 +184,9 @@ def render(tokenizer, messages: list[dict], options: TemplateOptions, system: st
     chat = [normalized(m, f"messages[{k}]", developer, takes_parts(source)) for k, m in enumerate(messages)]
     if system is not None and chat[0]["role"] not in ("system", "developer"):
         chat = [{"role": "system", "content": system}, *chat]
-    text = apply(tokenizer, chat, options)
+    text = apply(tokenizer, chat, options, bounds)
     for name in ("tools", "documents"):
-        if getattr(options, name) and apply(tokenizer, chat, replace(options, **{name: None})) == text:
+        if getattr(options, name) and apply(tokenizer, chat, replace(options, **{name: None}), bounds) == text:
             raise ChatError("invalid_request", f"the chat template does not render {name}; remove them or give "
                             "a template that does (chat_template, --chat-template)")
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -198,8 +215,12 @@ def takes_parts(template: str) -> bool:
                for loop in tree.find_all(nodes.For))
 
 
-def apply(tokenizer, chat: list[dict], options: TemplateOptions) -> str:
-    """The chat's text as apply_chat_template renders it (which then tokenizes it without special tokens)."""
+def apply(tokenizer, chat: list[dict], options: TemplateOptions, bounds: Bounds | None = None) -> str:
+    """The chat's text as apply_chat_template renders it (which then tokenizes it without special
+    tokens), in a child process within `bounds` when given. Whatever the template raises is the
+    row's ChatError."""
+    if bounds is not None:
+        return apply_bounded(tokenizer, chat, options, bounds)
     try:
         return tokenizer.apply_chat_template(
             chat, tools=options.tools, documents=options.documents, chat_template=options.template,
@@ -209,6 +230,79 @@ def apply(tokenizer, chat: list[dict], options: TemplateOptions) -> str:
         raise ChatError("invalid_request", f"the chat template does not compile: line {e.lineno}: {e.message}") from e
     except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
         raise ChatError("invalid_messages", f"the chat template cannot render this chat: {e}") from e
+    except Exception as e:  # noqa: BLE001 - a template's own runtime error (1/0, recursion, overflow) is its row's
+        raise ChatError("invalid_messages", f"the chat template failed on this chat: {type(e).__name__}: {e}") from e
+
+
+def apply_bounded(tokenizer, chat: list[dict], options: TemplateOptions, bounds: Bounds) -> str:
+    """apply() in a forked child that may grow by bounds.memory and write bounds.chars back
+    through a pipe; killed when it runs over bounds.seconds. Costs a fork (milliseconds)."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: render, answer, and leave without running the parent's exit handlers
+        os.close(read_end)
+        try:
+            answer = child_render(tokenizer, chat, options, bounds)
+            with open(write_end, "wb") as pipe:
+                pipe.write(answer)
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    try:
+        answer = read_answer(read_end, bounds)
+    finally:
+        os.close(read_end)
+        os.kill(pid, signal.SIGKILL)  # gone already unless it overran
+        os.waitpid(pid, 0)
+    if not answer or answer == b"null":  # it overran, or died on the way
+        raise ChatError("invalid_request", f"the chat template ran over its bounds ({bounds.seconds:g} s, "
+                        f"{bounds.memory >> 20} MiB, {bounds.chars} characters)")
+    kind, message = json.loads(answer)
+    if kind != "text":
+        raise ChatError(kind, message)
+    return message
+
+
+def child_render(tokenizer, chat: list[dict], options: TemplateOptions, bounds: Bounds) -> bytes:
+    """In the child: the rendered text, or the ChatError's kind and message, as JSON."""
+    for stop in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):  # the parent's handlers are not the child's
+        signal.signal(stop, signal.SIG_DFL)
+    size = address_space()
+    if size is not None:
+        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        resource.setrlimit(resource.RLIMIT_AS, (min(size + bounds.memory, hard), hard))
+    try:
+        text = apply(tokenizer, chat, options)
+        answer = ["text", text] if len(text) <= bounds.chars else None
+    except ChatError as e:
+        answer = [e.kind, str(e)]
+    except MemoryError:
+        answer = ["invalid_request", f"the chat template needed over {bounds.memory >> 20} MiB"]
+    return json.dumps(answer).encode()
+
+
+def address_space() -> int | None:
+    """This process's virtual memory size in bytes (what RLIMIT_AS limits); None where there is
+    no /proc to tell (the time bound still holds there)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return None
+
+
+def read_answer(fd: int, bounds: Bounds) -> bytes | None:
+    """What the child wrote, or None when it overran its time or its answer the size bound."""
+    deadline, chunks, size = time.monotonic() + bounds.seconds, [], 0
+    while (left := deadline - time.monotonic()) > 0 and select.select([fd], [], [], left)[0]:
+        chunk = os.read(fd, 1 << 20)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > 6 * bounds.chars + 64:  # JSON escapes a character in 6 bytes at most
+            return None
+    return None
 
 
 def run_template_options(template_file: str | None, kwargs_json: str | None, continue_final_message: bool,

@@ -1,6 +1,7 @@
 """Command line: parse options into one RunConfig and call the job. The only module using click."""
 
 import json
+import math
 import sys
 import tomllib
 import traceback
@@ -10,7 +11,7 @@ import click
 
 from batchspec import __version__
 from batchspec.config import RunConfig, as_toml
-from batchspec.errors import EXIT_INTERRUPTED, StopSignals, UserError, first_line
+from batchspec.errors import EXIT_INTERRUPTED, StopSignals, Stopped, UserError, first_line
 
 
 def option(name: str, **kwargs):
@@ -38,6 +39,16 @@ def load_config_file(ctx, param, path):
         data["keep_fields"] = ",".join(data["keep_fields"])
     ctx.default_map = {**(ctx.default_map or {}), **data}
     return path
+
+
+class Finite(click.FloatRange):
+    """A FloatRange that also refuses nan and inf (no comparison refuses nan)."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
 
 
 class Gamma(click.ParamType):
@@ -99,7 +110,7 @@ def guarded(job, debug: bool) -> int:
         return job()
     except UserError as e:
         fail(f"error: {e}", e, debug, e.exit_code)
-    except KeyboardInterrupt as e:
+    except (KeyboardInterrupt, Stopped) as e:
         fail("interrupted; rerun the same command to resume", e, debug, EXIT_INTERRUPTED)
     except Exception as e:  # noqa: BLE001 - the one place that turns crashes into a clean exit 1
         fail(f"error: {type(e).__name__}: {first_line(e)} (--debug shows the traceback)", e, debug, 1)
@@ -139,22 +150,22 @@ def main():
 @option("--tree-depth", type=click.IntRange(1, 64), default=None,
         help="The trees' fixed depth. Default: --gamma's (auto chooses 0..--gamma-max).")
 @option("--max-new-tokens", type=click.IntRange(1), default=256, help="Most tokens generated per row.")
-@option("--temperature", type=click.FloatRange(0), default=None,
+@option("--temperature", type=Finite(0), default=None,
         help="0 = greedy. Default: the target's generation_config (greedy unless it samples).")
 @option("--top-k", type=click.IntRange(0), default=None, help="Top-k filter, 0 = off. Default: generation_config.")
-@option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None,
+@option("--top-p", type=Finite(0, 1, min_open=True), default=None,
         help="Nucleus filter, 1 = off. Default: generation_config.")
-@option("--min-p", type=click.FloatRange(0, 1), default=None,
+@option("--min-p", type=Finite(0, 1), default=None,
         help="Drop tokens less likely than this times the likeliest, 0 = off. Default: generation_config.")
 @option("--seed", type=int, default=0, help="With the row id, seeds each row's own sampling.")
 @option("--stop", multiple=True, default=(),
         help="Stop string (repeatable): a row ends right before the first one in its text.")
 @option("--min-new-tokens", type=click.IntRange(0), default=0, help="No EOS or stop id before this many tokens.")
-@option("--repetition-penalty", type=click.FloatRange(0, min_open=True), default=None,
+@option("--repetition-penalty", type=Finite(0, min_open=True), default=None,
         help="transformers' repetition penalty on prompt and output tokens, 1 = off. Default: generation_config.")
-@option("--frequency-penalty", type=click.FloatRange(-2, 2), default=0.0,
+@option("--frequency-penalty", type=Finite(-2, 2), default=0.0,
         help="OpenAI's: minus this times each token's count in the output.")
-@option("--presence-penalty", type=click.FloatRange(-2, 2), default=0.0,
+@option("--presence-penalty", type=Finite(-2, 2), default=0.0,
         help="OpenAI's: minus this for each token already in the output.")
 @option("--logit-bias", type=Bias(), multiple=True, default=(), help="ID=BIAS added to a token's logit (repeatable).")
 @option("--n", type=click.IntRange(1, 128), default=1,
@@ -194,8 +205,14 @@ def main():
         "own are merged over it).")
 @option("--continue-final-message", is_flag=True, default=False,
         help="Leave each chat's final (assistant) message open and continue it instead of opening a new turn.")
+@option("--trust-request-chat-template", is_flag=True, default=False,
+        help="Render a request's own chat_template (in a child process, bounded in time, memory and output) "
+        "instead of refusing the row: the template is code its author wrote.")
 @option("--truncate", type=click.Choice(["left", "right"]), default=None,
         help="Cut prompts too long for the context (left keeps the end) instead of an error record.")
+@option("--max-line-bytes", type=click.IntRange(1), default=None,
+        help="Input lines (and prompts) longer than this are too_long error records, never parsed. Default: 64 "
+        "bytes per token of the models' context, plus 1 MiB.")
 @option("--token-ids", is_flag=True, default=False, help="Add the generated token ids to each record.")
 @option("--trace", is_flag=True, default=False,
         help="Add each row's steps to its stats (proposals, accepted, token offsets), for `batchspec report`.")
@@ -215,8 +232,9 @@ def main():
 def run(input, debug, print_config, **options):
     """Complete every prompt of INPUT into OUT, resuming OUT if it exists.
 
-    INPUT is a JSONL file (or .jsonl.gz), a local folder laid out like a Hugging Face dataset
-    repository, or hf:OWNER/NAME (streamed with datasets).
+    INPUT is a JSONL file (or .jsonl.gz), - for standard input (or a FIFO: read once, as a
+    stream), a local folder laid out like a Hugging Face dataset repository, or hf:OWNER/NAME
+    (streamed with datasets).
 
     Exit codes: 0 all rows done; 3 done, some rows in the error file; 75 interrupted (rerun to
     resume); 2 usage error; 1 any other failure.
@@ -317,10 +335,12 @@ def bench(debug, batch_sizes, drafters, gammas, tree_widths, **options):
 @click.argument("shards")
 @option("--out", required=True, type=click.Path(dir_okay=False), help="The merged output JSONL.")
 @option("--allow-partial", is_flag=True, default=False, help="Merge even if a shard is missing or unfinished.")
+@option("--overwrite", is_flag=True, default=False,
+        help="Replace OUT even when it is not an earlier merge's output.")
 @option("--order-by-input", type=click.Path(exists=True), default=None,
         help="Write records in the order of this input (the shards' INPUT).")
 @option("--debug", is_flag=True, default=False, help="Show tracebacks.")
-def merge(shards, out, allow_partial, order_by_input, debug):
+def merge(shards, out, allow_partial, overwrite, order_by_input, debug):
     """Combine the outputs of a sharded run into OUT (atomic: written aside, then renamed).
 
     SHARDS is the --out template the shard runs used, e.g. 'out/part-{shard:05d}.jsonl'.
@@ -329,7 +349,8 @@ def merge(shards, out, allow_partial, order_by_input, debug):
     from batchspec.merge import merge as merge_shards
 
     def job():
-        summary = merge_shards(shards, out, allow_partial=allow_partial, order_by_input=order_by_input)
+        summary = merge_shards(shards, out, allow_partial=allow_partial, order_by_input=order_by_input,
+                               overwrite=overwrite)
         click.echo(f"merged {len(summary['shards'])} shards into {out}: {summary['rows_ok']} rows, "
                    f"{summary['rows_error']} errors", err=True)
         return 0

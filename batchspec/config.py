@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -16,7 +17,8 @@ FINGERPRINT_FIELDS = (
     "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "n", "dtype", "json_schema", "regex", "choice",
     "grammar",
     "split", "subset", "prompt_field", "id_field", "messages_field", "tools_field", "chat", "system", "chat_template",
-    "chat_template_kwargs", "continue_final_message", "truncate", "token_ids", "trace",
+    "chat_template_kwargs", "continue_final_message", "trust_request_chat_template", "truncate", "max_line_bytes",
+    "token_ids", "trace",
     "output_format", "keep_fields", "keep_all_fields", "num_shards", "shard_index",
 )  # what changes the records (or which rows a shard holds); batch size, window and device only change the speed
 
@@ -71,7 +73,9 @@ class RunConfig:
     chat_template: str | None = None  # a Jinja file replacing the tokenizer's chat template
     chat_template_kwargs: str | None = None  # a JSON object of extra template variables, e.g. enable_thinking
     continue_final_message: bool = False  # chats end in an open assistant message to continue
+    trust_request_chat_template: bool = False  # render a request's own chat_template (bounded) instead of refusing it
     truncate: str | None = None  # None, "left" or "right"
+    max_line_bytes: int | None = None  # longer input lines are too_long error records (None: from the context)
     token_ids: bool = False
     trace: bool = False  # each record's stats get its steps, for `batchspec report`
     output_format: str = "batchspec"  # or "openai" (OpenAI-batch output lines)
@@ -103,6 +107,10 @@ class RunConfig:
                 fingerprint[name] = file_identity(getattr(self, name))
         return orjson.loads(orjson.dumps(fingerprint))  # as it reads back from JSON (tuples are lists)
 
+    def input_files(self) -> list[str]:
+        """The files this run reads rows and settings from (OUT must be none of them)."""
+        return [path for path in (self.input, self.chat_template, self.json_schema, self.grammar) if path]
+
     @property
     def draft_model(self) -> str | None:
         """The draft model to load: none for --mode ar or --draft ngram."""
@@ -115,12 +123,28 @@ class RunConfig:
         return (self.ngram_min, self.ngram_max) if looks_up else None
 
 
+STDIN = "-"  # INPUT "-": standard input
+
+
+def is_stream(path: str) -> bool:
+    """Standard input, a FIFO or another file that can be read only once, front to back."""
+    if path == STDIN:
+        return True
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
 def input_identity(source: str) -> dict:
     """What the input is: a Hub dataset's name; for a file its size and a hash of its first and
     last 64 KiB (cheap, changes when the data does, survives moving it); for a dataset folder
     the same for each of its files."""
     if source.startswith("hf:"):
         return {"dataset": source.removeprefix("hf:")}
+    if is_stream(source):  # read once, front to back: only its name is known up front
+        return {"stream": source}
     if os.path.isdir(source):
         root = Path(source)
         files = sorted(p for p in root.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.parts))

@@ -14,8 +14,8 @@ import transformers
 import batchspec
 from batchspec import shards
 from batchspec.buckets import Batch, make_encoder, plan
-from batchspec.chat import run_template_options
-from batchspec.config import NGRAM, RunConfig
+from batchspec.chat import Bounds, run_template_options
+from batchspec.config import NGRAM, STDIN, RunConfig
 from batchspec.decoding import DecodeConfig, RowOptions, resolve_sampling
 from batchspec.decoding.drafters import tree_problem
 from batchspec.decoding.engine import BatchDecoder, split
@@ -23,11 +23,11 @@ from batchspec.decoding.grammar import Grammar, grammar_problem
 from batchspec.decoding.kv_cache import SLOT_ALIBI
 from batchspec.decoding.policy import GammaPolicy
 from batchspec.defaults import default_draft, default_target
-from batchspec.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_ROW_ERRORS, StopSignals, UsageError, say
+from batchspec.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_ROW_ERRORS, StopSignals, Stopped, UsageError, say
 from batchspec.models import context_length, load_config, load_pair, load_tokenizer, unapplied_settings
 from batchspec.records import RecordMaker
 from batchspec.request_body import SAMPLES, SAMPLING_KEYS
-from batchspec.sink import OutputPaths, Sink, check_fingerprint, locked, write_atomic
+from batchspec.sink import OutputPaths, Sink, claim, locked, output_paths, write_atomic
 from batchspec.sources import Row, RowError, input_size, read_run_input
 from batchspec.stats import RunStats, progress_bar
 
@@ -41,8 +41,10 @@ def with_default_models(cfg: RunConfig) -> RunConfig:
 
 
 def check_options(cfg: RunConfig) -> None:
-    if not cfg.input.startswith("hf:") and not os.path.exists(cfg.input):
+    if not (cfg.input.startswith("hf:") or cfg.input == STDIN or os.path.exists(cfg.input)):
         raise UsageError(f"input not found: {cfg.input}")
+    if cfg.min_new_tokens > cfg.max_new_tokens:
+        raise UsageError(f"--min-new-tokens {cfg.min_new_tokens} is over --max-new-tokens {cfg.max_new_tokens}")
     if cfg.mode not in ("spec", "ar"):
         raise UsageError(f"--mode must be spec or ar, got {cfg.mode!r}")
     if cfg.mode == "spec" and not cfg.draft and not cfg.dry_run:
@@ -129,9 +131,17 @@ def run_row_options(cfg: RunConfig, vocab: int, generation_config) -> RowOptions
                       logit_bias=bias, logprobs=cfg.logprobs, grammar=run_grammar(cfg))
 
 
-def shard_items(cfg: RunConfig):
+def line_cap(cfg: RunConfig, context: int | None) -> int:
+    """The most bytes an input line (or characters a prompt) may have: --max-line-bytes, else 64
+    a token of the models' context and a MiB (JSON escapes and other fields included), else 64 MiB
+    (a model that does not say its context). Longer ones are too_long rows, never parsed whole."""
+    return cfg.max_line_bytes or ((1 << 20) + 64 * context if context else 1 << 26)
+
+
+def shard_items(cfg: RunConfig, max_line_bytes: int):
     """This shard's rows and error lines of the input."""
-    return warn_unapplied(shards.owned(read_run_input(cfg.input, cfg.options()), cfg.num_shards, cfg.shard_index))
+    rows = read_run_input(cfg.input, cfg.options(), max_line_bytes)
+    return warn_unapplied(shards.owned(rows, cfg.num_shards, cfg.shard_index))
 
 
 def warn_unapplied(items):
@@ -155,8 +165,11 @@ def encoder(cfg: RunConfig, tokenizer, context: int | None, options: RowOptions)
     if problem:
         raise UsageError(f"{GRAMMAR_OPTIONS[options.grammar.kind]}: {problem}")
     template = run_template_options(cfg.chat_template, cfg.chat_template_kwargs, cfg.continue_final_message, tokenizer)
+    cap = line_cap(cfg, context)
+    bounds = Bounds(chars=cap) if cfg.trust_request_chat_template else None
     return make_encoder(tokenizer, context_length=context, max_new_tokens=cfg.max_new_tokens, truncate=cfg.truncate,
-                        chat=cfg.chat, system=cfg.system, template=template, options=options)
+                        chat=cfg.chat, system=cfg.system, template=template, options=options,
+                        request_templates=bounds, max_chars=cap)
 
 
 def sample_id(row_id: str, index: int) -> str:
@@ -207,12 +220,12 @@ def run(cfg: RunConfig, stop: StopSignals) -> int:
     check_options(cfg)
     if cfg.dry_run:
         return dry_run(cfg, stop)
-    paths = OutputPaths.of(cfg.out)
+    paths = output_paths(cfg.out, cfg.input_files())
     with locked(paths):
         if cfg.overwrite:
             for path in paths.all():
                 path.unlink(missing_ok=True)
-        check_fingerprint(paths, cfg.fingerprint())
+        claim(paths, cfg.fingerprint())
         sink = Sink(paths, id_key="custom_id" if cfg.output_format == "openai" else "id")
         try:
             return run_locked(cfg, paths, sink, stop)
@@ -258,23 +271,27 @@ def run_locked(cfg: RunConfig, paths: OutputPaths, sink: Sink, stop: StopSignals
                 yield item
 
     interrupted = False
-    batches = plan(fresh(shard_items(cfg)), encode, window=cfg.window, batch_size=cfg.batch_size,
+    items = shard_items(cfg, line_cap(cfg, pair.context_length))
+    batches = plan(fresh(items), encode, window=cfg.window, batch_size=cfg.batch_size,
                    max_batch_tokens=cfg.max_batch_tokens, max_new_tokens=cfg.max_new_tokens, samples=cfg.n)
-    for item in batches:
-        if isinstance(item, RowError):
-            sink.error(item)
-            stats.rows_error += 1
-            bar.update(1)
-            continue
-        decoded = decode(pair, item, config, run_options, cfg.n, policy, stop)
-        if decoded is None:
-            interrupted = True
-            break
-        output, samples = decoded
-        sink.write([make_record(r, s) for r, s in zip(item.rows, samples)])
-        stats.add_batch(item, output)
-        bar.update(len(item.rows))
-        bar.set_postfix(stats.postfix(), refresh=False)
+    try:
+        for item in stop.each(batches):  # a stop while the input is read ends the run at once
+            if isinstance(item, RowError):
+                sink.error(item)
+                stats.rows_error += 1
+                bar.update(1)
+                continue
+            decoded = decode(pair, item, config, run_options, cfg.n, policy, stop)
+            if decoded is None:
+                interrupted = True
+                break
+            output, samples = decoded
+            sink.write([make_record(r, s) for r, s in zip(item.rows, samples)])
+            stats.add_batch(item, output)
+            bar.update(len(item.rows))
+            bar.set_postfix(stats.postfix(), refresh=False)
+    except Stopped:
+        interrupted = True
     bar.close()
     sink.flush_errors()
     code = EXIT_INTERRUPTED if interrupted else EXIT_ROW_ERRORS if sink.error_lines else EXIT_OK
@@ -333,19 +350,17 @@ def print_summary(summary: dict, paths: OutputPaths, interrupted: bool) -> None:
 
 def dry_run(cfg: RunConfig, stop: StopSignals) -> int:
     """Check the input, count rows and errors and show the batches, loading no weights (a stop
-    signal ends it: 75)."""
+    signal ends it: Stopped, 75)."""
     tokenizer = load_tokenizer(cfg.target)
     record_maker(cfg, tokenizer)  # refuses --keep-fields that clash with the output's own
     specs = [cfg.target] + ([cfg.draft_model, *cfg.more_drafts] if cfg.draft_model else [])
-    contexts = [n for n in (context_length(load_config(spec)) for spec in specs) if n is not None]
-    encode = encoder(cfg, tokenizer, min(contexts, default=None), run_row_options(cfg, len(tokenizer), None))
+    context = min((n for n in (context_length(load_config(spec)) for spec in specs) if n is not None), default=None)
+    encode = encoder(cfg, tokenizer, context, run_row_options(cfg, len(tokenizer), None))
     errors, lengths, batch_sizes = Counter(), Counter(), Counter()
     rows = pads = slots = 0
-    for item in plan(shard_items(cfg), encode, window=cfg.window, batch_size=cfg.batch_size,
-                     max_batch_tokens=cfg.max_batch_tokens, max_new_tokens=cfg.max_new_tokens, samples=cfg.n):
-        if stop.received:
-            say("interrupted")
-            return EXIT_INTERRUPTED
+    for item in stop.each(plan(shard_items(cfg, line_cap(cfg, context)), encode, window=cfg.window,
+                               batch_size=cfg.batch_size, max_batch_tokens=cfg.max_batch_tokens,
+                               max_new_tokens=cfg.max_new_tokens, samples=cfg.n)):
         if isinstance(item, RowError):
             if sum(errors.values()) < 20:
                 say(f"line {item.line}: {item.type}: {item.message}")

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import orjson
 
-from batchspec.errors import UserError
-from batchspec.sink import OutputPaths, atomic_file, write_atomic
+from batchspec.errors import UsageError, UserError
+from batchspec.sink import OutputPaths, atomic_file, foreign, read_records, read_summary, write_atomic, written
 from batchspec.sources import Row, read_run_input
 
 
@@ -31,14 +31,15 @@ def shard_outputs(template: str) -> list[OutputPaths]:
 
 def check_complete(shards: list[OutputPaths], allow_partial: bool) -> list[dict]:
     """The shards' summaries; refuses missing or unfinished shards unless allow_partial."""
-    summaries = [orjson.loads(p.summary.read_bytes()) if p.summary.exists() else None for p in shards]
+    summaries = [read_summary(p.summary) for p in shards]
     known = [s for s in summaries if s]
     if not known:
         raise IncompleteShards("no shard has a summary yet: nothing finished to merge")
-    total = known[0]["options"]["num_shards"]
-    present = {s["options"]["shard_index"] for s in known}
+    with foreign("the shards' summaries"):
+        total = known[0]["options"]["num_shards"]
+        present = {s["options"]["shard_index"] for s in known}
     problems = [f"shard {i} is missing" for i in range(total) if i not in present]
-    problems += [f"{p.out} is unfinished" for p, s in zip(shards, summaries) if not (s and s["finished"])]
+    problems += [f"{p.out} is unfinished" for p, s in zip(shards, summaries) if not s.get("finished")]
     if problems and not allow_partial:
         raise IncompleteShards("; ".join(problems) + " (rerun those shards, or merge anyway with --allow-partial)")
     return known
@@ -50,16 +51,24 @@ def unique_lines(paths: list[Path], key: str) -> Iterator[tuple[dict, tuple[int,
     A torn last line (a shard killed mid-write, merged with --allow-partial) is skipped."""
     seen = set()
     for i, path in enumerate(paths):
-        if not path.exists():
-            continue
+        offsets = line_offsets(path)
+        for where, record in read_records(path):
+            with foreign(where):
+                value = record[key]
+            offset, length = next(offsets)
+            if value not in seen:
+                seen.add(value)
+                yield record, (i, offset, length)
+
+
+def line_offsets(path: Path) -> Iterator[tuple[int, int]]:
+    """(offset, length) of each complete line of a file, in order."""
+    offset = 0
+    if path.exists():
         with open(path, "rb") as f:
-            offset = 0
             for line in f:
                 if line.endswith(b"\n"):
-                    record = orjson.loads(line)
-                    if record[key] not in seen:
-                        seen.add(record[key])
-                        yield record, (i, offset, len(line))
+                    yield offset, len(line)
                 offset += len(line)
 
 
@@ -82,29 +91,41 @@ def row_stats(record: dict) -> dict:
     return record["stats"] if "stats" in record else record["response"]["body"]["batchspec"]
 
 
-def merge(template: str, out: str, *, allow_partial: bool = False, order_by_input: str | None = None) -> dict:
+def check_target(target: OutputPaths, overwrite: bool) -> None:
+    """OUT may be replaced only when it is new, an earlier merge's (its summary lists shards) or
+    `overwrite` says so: a merge never cuts a file batchspec did not write."""
+    if written(target.out) and not overwrite and "shards" not in read_summary(target.summary):
+        raise UsageError(f"{target.out} exists and is not an earlier merge's output; choose another --out, or pass "
+                         "--overwrite to replace it")
+
+
+def merge(template: str, out: str, *, allow_partial: bool = False, order_by_input: str | None = None,
+          overwrite: bool = False) -> dict:
+    target = OutputPaths.of(out)
+    check_target(target, overwrite)
     shards = shard_outputs(template)
     summaries = check_complete(shards, allow_partial)
-    options = summaries[0]["options"]
-    id_key = "custom_id" if options["output_format"] == "openai" else "id"
+    with foreign("the shards' summaries"):
+        options = summaries[0]["options"]
+        id_key = "custom_id" if options["output_format"] == "openai" else "id"
     outs, error_files = [p.out for p in shards], [p.errors for p in shards]
     totals = {"completion_tokens": 0, "draft_tokens": 0, "accepted_tokens": 0}
     records = []  # (id, place)
     for record, place in unique_lines(outs, id_key):
-        stats = row_stats(record)
-        for k in totals:
-            totals[k] += stats[k]
+        with foreign(f"a record of {outs[place[0]]} ({record[id_key]!r})"):
+            stats = row_stats(record)
+            for k in totals:
+                totals[k] += stats[k]
         records.append((record[id_key], place))
     errors = sorted((record["line"], place) for record, place in unique_lines(error_files, "line"))
     if order_by_input:
         position = input_order(order_by_input, options)
         records.sort(key=lambda pair: position.get(pair[0], float("inf")))
-    target = OutputPaths.of(out)
     target.out.parent.mkdir(parents=True, exist_ok=True)
     copy_lines(outs, [place for _, place in records], target.out)
     copy_lines(error_files, [place for _, place in errors], target.errors)
     summary = {
-        "finished": all(s["finished"] for s in summaries) and len(summaries) == options["num_shards"],
+        "finished": all(s.get("finished") for s in summaries) and len(summaries) == options["num_shards"],
         "shards": [str(p.out) for p in shards],
         "rows_ok": len(records),
         "rows_error": len(errors),

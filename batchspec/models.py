@@ -70,8 +70,9 @@ def convert_gguf(path: str) -> Path:
     print(f"batchspec: converting {path} to safetensors in {folder} (once)", file=sys.stderr, flush=True)
     directory, name = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
     hf_logging.disable_progress_bar()
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32,
+                                                 trust_remote_code=False)
     model.hf_quantizer = None  # the weights are plain float tensors now
     del model.config.quantization_config
     tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
@@ -96,22 +97,30 @@ def source(spec: str) -> str:
     return spec
 
 
-def load_tokenizer(spec: str):
+def pretrained(auto, spec: str, what: str, **kwargs):
+    """auto.from_pretrained(spec) without ever running code the model's folder ships
+    (trust_remote_code=False: transformers neither asks on stdin nor imports it); any failure is
+    a ModelError naming `what` could not be loaded."""
     try:
-        return AutoTokenizer.from_pretrained(source(spec))
+        return auto.from_pretrained(source(spec), trust_remote_code=False, **kwargs)
     except (OSError, ValueError) as e:
-        raise ModelError(f"cannot load the tokenizer of {spec!r}: {first_line(e)}") from e
+        if "custom code" in str(e):
+            raise ModelError(f"{spec!r} needs the Python code its folder ships (auto_map) to load its {what}; "
+                             "batchspec never runs a model's own code: use a model that transformers supports "
+                             "natively") from None
+        raise ModelError(f"cannot load the {what} of {spec!r}: {first_line(e)}") from e
+
+
+def load_tokenizer(spec: str):
+    return pretrained(AutoTokenizer, spec, "tokenizer")
 
 
 def load_model(spec: str, dtype: torch.dtype, device: torch.device):
     config = load_config(spec)  # refuses what batchspec cannot decode before any weight is read
     hf_logging.disable_progress_bar()  # the job shows its own progress
     auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
-    try:
-        # None: SDPA, or eager attention for the few architectures without an SDPA version
-        model = auto.from_pretrained(source(spec), config=config, dtype=dtype, attn_implementation=None)
-    except (OSError, ValueError) as e:
-        raise ModelError(f"cannot load model {spec!r}: {first_line(e)}") from e
+    # attn_implementation None: SDPA, or eager attention for the few architectures without an SDPA version
+    model = pretrained(auto, spec, "weights", config=config, dtype=dtype, attn_implementation=None)
     check_layers(model, spec)
     return model.to(device).eval()
 
@@ -199,10 +208,7 @@ def context_length(config) -> int | None:
 
 def load_config(spec: str):
     """The model's config alone (no weights), refused unless it is a causal LM's."""
-    try:
-        config = AutoConfig.from_pretrained(source(spec))
-    except (OSError, ValueError) as e:
-        raise ModelError(f"cannot load the config of {spec!r}: {first_line(e)}") from e
+    config = pretrained(AutoConfig, spec, "config")
     check_kind(config, spec)
     return config
 

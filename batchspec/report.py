@@ -11,13 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import jinja2
-import orjson
 
 from batchspec.bench_files import pyplot
 from batchspec.errors import UsageError
-from batchspec.sink import OutputPaths
+from batchspec.sink import OutputPaths, foreign, read_records, read_summary
 from batchspec.stats import add_up
-from batchspec.status import complete_lines
 
 ACCEPTANCE_BINS = 20  # per-row acceptance histogram over [0, 1]
 ERROR_EXAMPLES = 3  # error records shown per type
@@ -185,13 +183,10 @@ def token_pieces(text: str, trace: dict) -> list[tuple[str, str]]:
 
 def digest(out: Path, errors: Path, views: int, seed: int) -> Digest:
     found = Digest(views=views, rng=random.Random(seed))
-    for number, line in enumerate(complete_lines(out), 1):
-        try:
-            found.add(orjson.loads(line))
-        except (orjson.JSONDecodeError, KeyError, TypeError, IndexError, AttributeError):
-            raise UsageError(f"{out}:{number} is not a batchspec output record") from None
-    for line in complete_lines(errors):
-        found.add_error(orjson.loads(line))
+    for add, path in ((found.add, out), (found.add_error, errors)):
+        for where, record in read_records(path):
+            with foreign(where):
+                add(record)
     return found
 
 
@@ -271,7 +266,7 @@ def report(out: str, html: str | None, views: int, seed: int) -> tuple[Path, Dig
     if not paths.out.exists():
         raise UsageError(f"output not found: {out}")
     found = digest(paths.out, paths.errors, views, seed)
-    summary = orjson.loads(paths.summary.read_bytes()) if paths.summary.exists() else {}
+    summary = read_summary(paths.summary)
     target = Path(html) if html else paths.summary.with_name(paths.summary.name.removesuffix(".summary.json")
                                                                  + ".report.html")
     target.write_text(render(found, summary, paths.out), encoding="utf-8")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import orjson
 
-from batchspec.errors import UsageError, UserError
+from batchspec.errors import UsageError, UserError, first_line
 from batchspec.idset import IdSet
 from batchspec.sources import Row, RowError
 
@@ -73,8 +73,9 @@ def write_atomic(path: Path, data: bytes) -> None:
         f.write(data)
 
 
-def recover(path: Path) -> Iterator[dict]:
-    """Records of a JSONL file we wrote; a torn last line (a kill mid-write) is cut off the file."""
+def recover(path: Path, id_key: str) -> Iterator[dict]:
+    """Records of a JSONL file we wrote; a torn last line (a kill mid-write) is cut off the file.
+    A complete line that is not one of our records means the file is not ours as it stands."""
     if not path.exists():
         return
     good_end = 0
@@ -86,23 +87,51 @@ def recover(path: Path) -> Iterator[dict]:
                 record = None
             if record is None:
                 if f.read(1):
-                    raise UserError(f"{path} is damaged at line {number}; move it away or use --overwrite")
+                    raise UsageError(f"{path} is damaged at line {number}; move it away or use --overwrite")
                 break
+            if not (isinstance(record, dict) and isinstance(record.get(id_key), (str, int))):
+                raise UsageError(f"{path} line {number} is not a batchspec record (no {id_key!r}); move it away or "
+                                 "use --overwrite")
             good_end += len(line)
             yield record
     if good_end != path.stat().st_size:
         os.truncate(path, good_end)
 
 
-def check_fingerprint(paths: OutputPaths, fingerprint: dict) -> None:
-    """First run: store the fingerprint. Later runs: refuse to mix outputs of different runs. A
-    run that stopped before writing a record (a model refused, a typo) mixes nothing: its
-    fingerprint is replaced."""
-    written = any(path.exists() and path.stat().st_size for path in (paths.out, paths.errors))
-    if not paths.fingerprint.exists() or not written:
+def output_paths(out: str, sources: list[str]) -> OutputPaths:
+    """OUT's paths, a symlinked OUT resolved to the file it names (so that its side files, lock
+    included, sit beside what is written); refused when any of them is one of the run's own
+    input files (`sources`: the input, templates, schemas)."""
+    paths = OutputPaths.of(str(Path(out).resolve()))
+    if paths.out.exists() and not paths.out.is_file():
+        raise UsageError(f"--out {out} is not a regular file (a device, a FIFO): choose a file to write")
+    for source in sources:
+        for path in paths.all():
+            if path.exists() and os.path.exists(source) and os.path.samefile(path, source):
+                raise UsageError(f"--out {out} would write over {source}, an input of this run; choose another --out")
+    return paths
+
+
+def written(path: Path) -> bool:
+    return path.exists() and path.stat().st_size > 0
+
+
+def claim(paths: OutputPaths, fingerprint: dict) -> None:
+    """Make OUT this run's, or refuse: a new OUT gets the run's fingerprint; an OUT with records
+    is resumed only when its fingerprint exists and matches (so a torn tail is cut only in a file
+    batchspec started, and a resume never mixes runs of different options). A run that stopped
+    before writing a record (a model refused, a typo) mixes nothing: its fingerprint is replaced."""
+    if not any(written(path) for path in (paths.out, paths.errors)):
         write_atomic(paths.fingerprint, orjson.dumps(fingerprint, option=orjson.OPT_INDENT_2))
         return
-    changed = changed_options(orjson.loads(paths.fingerprint.read_bytes()), fingerprint)
+    if not paths.fingerprint.exists():
+        raise UsageError(f"{paths.out} exists and was not started by batchspec (no {paths.fingerprint.name} beside "
+                         "it); choose another --out, or pass --overwrite to replace it")
+    try:
+        stored = orjson.loads(paths.fingerprint.read_bytes())
+        changed = changed_options(stored, fingerprint)
+    except (orjson.JSONDecodeError, AttributeError, TypeError):
+        raise UsageError(f"{paths.fingerprint} is damaged; pass --overwrite to start {paths.out} over") from None
     if changed:
         raise UsageError(
             f"{paths.out} was started by a run with different {', '.join(changed)}; rerun with the same "
@@ -122,9 +151,9 @@ class Sink:
     def __init__(self, paths: OutputPaths, id_key: str = "id"):
         self.paths, self.id_key = paths, id_key
         self.done = IdSet()
-        for record in recover(paths.out):
+        for record in recover(paths.out, id_key):
             self.done.add(record[id_key])
-        self.error_lines = {record["line"] for record in recover(paths.errors)}
+        self.error_lines = {record["line"] for record in recover(paths.errors, "line")}
         self.resumed_rows, self.resumed_errors = len(self.done), len(self.error_lines)
         paths.out.parent.mkdir(parents=True, exist_ok=True)
         self.out = open(paths.out, "ab")
@@ -157,6 +186,44 @@ class Sink:
         self.flush_errors()
         self.out.close()
         self.errors.close()
+
+
+@contextmanager
+def foreign(where: str):
+    """What a record or summary that batchspec did not write makes its reader raise (a KeyError,
+    a TypeError, a JSONDecodeError, ...) becomes one UsageError naming where it is."""
+    try:
+        yield
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
+        raise UsageError(f"{where} is not what batchspec writes ({type(e).__name__}: {first_line(e)})") from None
+
+
+def complete_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """(line number, line) of a file's complete lines: a line being written right now is left out."""
+    if path.exists():
+        with open(path, "rb") as f:
+            yield from ((number, line) for number, line in enumerate(f, 1) if line.endswith(b"\n"))
+
+
+def read_records(path: Path) -> Iterator[tuple[str, dict]]:
+    """(where, record) of each complete line of one of our JSONL files, where "path:line" (for
+    `foreign` around what the reader then takes from the record)."""
+    for number, line in complete_lines(path):
+        where = f"{path}:{number}"
+        with foreign(where):
+            record = orjson.loads(line)
+        yield where, record
+
+
+def read_summary(path: Path) -> dict:
+    """A run's summary ({} when there is none yet)."""
+    if not path.exists():
+        return {}
+    with foreign(str(path)):
+        summary = orjson.loads(path.read_bytes())
+        if not isinstance(summary, dict):
+            raise TypeError(f"a JSON {type(summary).__name__}, not an object")
+        return summary
 
 
 def durable_append(f, data: bytes) -> None:

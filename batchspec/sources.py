@@ -6,12 +6,15 @@ Every non-blank line becomes either a Row or a RowError; nothing here stops the 
 import gzip
 import json
 import os
+import sys
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import orjson
 
 from batchspec.chat import CHAT_KEYS, chat_request
+from batchspec.config import STDIN, is_stream
 from batchspec.errors import UsageError, first_line
 from batchspec.idset import IdSet
 from batchspec.request_body import HONORED_KEYS, body_problem, request_options
@@ -54,12 +57,14 @@ class RowError:
 
 
 def open_input(path: str):
-    return gzip.open(path, "rb") if str(path).endswith(".gz") else open(path, "rb")
+    raw = sys.stdin.buffer if path == STDIN else open(path, "rb")
+    return gzip.open(raw, "rb") if str(path).endswith(".gz") else raw
 
 
 def count_lines(path: str) -> int | None:
-    """Non-blank line count of a plain file, for the progress bar (None for .gz: not worth a pass)."""
-    if str(path).endswith(".gz"):
+    """Non-blank line count of a plain file, for the progress bar (None for .gz and streams: not
+    worth a pass, or not possible)."""
+    if str(path).endswith(".gz") or is_stream(path):
         return None
     count = 0
     with open(path, "rb") as f:
@@ -76,6 +81,8 @@ def parse_json(text: str):
         stripped = text.strip()
         try:
             _, end = json.JSONDecoder().raw_decode(stripped)
+        except RecursionError:
+            raise ValueError("invalid_json", "the JSON value is nested too deeply") from None
         except json.JSONDecodeError:
             end = len(stripped)
         if end == len(stripped):  # no value before the error, or one only Python's json takes (NaN, "\ud800")
@@ -117,6 +124,9 @@ def parse_line(raw: bytes, line: int, fields: Fields) -> Row | RowError:
         return RowError(line, None, "invalid_utf8", f"invalid UTF-8 byte 0x{raw[e.start]:02x} at byte {e.start + 1}")
     try:
         obj = parse_json(text)
+        orjson.dumps(obj)  # what a record copies from it must write back: orjson writes 254 levels deep at most
+    except orjson.JSONEncodeError:
+        return RowError(line, None, "invalid_json", "the JSON value is nested too deeply (over 254 levels)")
     except ValueError as e:
         return RowError(line, None, *e.args)
     return parse_object(obj, line, fields)
@@ -202,7 +212,8 @@ def parse_object(obj, line: int, fields: Fields) -> Row | RowError:
         what = "is null" if fields.prompt in obj else "is missing"
         return RowError(line, rid, "missing_prompt", f"field {fields.prompt!r} {what} (and no {fields.messages!r})")
     if not isinstance(prompt, str):
-        return RowError(line, rid, "invalid_prompt", f"field {fields.prompt!r} must be a string, got {json_type(prompt)}")
+        return RowError(line, rid, "invalid_prompt",
+                        f"field {fields.prompt!r} must be a string, got {json_type(prompt)}")
     return Row(rid, line, prompt, obj, chat=chat, unapplied=unapplied_keys(obj, fields))
 
 
@@ -226,19 +237,53 @@ def unique_ids(items: Iterator[Row | RowError]) -> Iterator[Row | RowError]:
         yield item
 
 
-def jsonl_items(path: str, fields: Fields) -> Iterator[Row | RowError]:
-    with open_input(path) as f:
-        for line, raw in enumerate(f, start=1):
-            if line == 1 and raw.startswith(BOM):
-                raw = raw[len(BOM) :]
-            raw = raw.rstrip(b"\r\n")
-            if raw.strip():
-                yield parse_line(raw, line, fields)
+def capped_lines(f, cap: int) -> Iterator[bytes | int]:
+    """The file's lines, each read whole only up to `cap` bytes: a longer line is skipped in
+    chunks and stands as its length (an int), so that no line costs more memory than the cap."""
+    while line := f.readline(cap + 1):
+        yield line if len(line) <= cap or line.endswith(b"\n") else len(line) + skip_line(f)
 
 
-def read_jsonl(path: str, fields: Fields = Fields()) -> Iterator[Row | RowError]:
-    """Rows and errors in input order. Blank lines are skipped; a UTF-8 BOM and CRLF are fine."""
-    return unique_ids(jsonl_items(path, fields))
+def skip_line(f) -> int:
+    """Read past the rest of a line, a MiB at a time; its bytes."""
+    size = 0
+    while chunk := f.readline(1 << 20):
+        size += len(chunk)
+        if chunk.endswith(b"\n"):
+            break
+    return size
+
+
+def too_long_line(line: int, size: int, cap: int) -> RowError:
+    return RowError(line, None, "too_long", f"the line has {size} bytes, over the cap of {cap} (derived from the "
+                    "models' context; --max-line-bytes sets it); it was not parsed")
+
+
+def jsonl_items(path: str, fields: Fields, max_line_bytes: int) -> Iterator[Row | RowError]:
+    line = 0
+    try:
+        with open_input(path) as f:
+            for line, raw in enumerate(capped_lines(f, max_line_bytes), start=1):
+                if isinstance(raw, int):
+                    yield too_long_line(line, raw, max_line_bytes)
+                    continue
+                if line == 1 and raw.startswith(BOM):
+                    raw = raw[len(BOM) :]
+                raw = raw.rstrip(b"\r\n")
+                if raw.strip():
+                    yield parse_line(raw, line, fields)
+    except (OSError, EOFError, zlib.error) as e:  # a corrupt .gz, a read error
+        raise UsageError(f"cannot read {path} after line {line}: {first_line(e)} (the rows before it are done: fix "
+                         "the file and rerun to resume)") from None
+
+
+MAX_LINE_BYTES = 1 << 30  # no cap of our own: a caller that knows the models' context gives one
+
+
+def read_jsonl(path: str, fields: Fields = Fields(), max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[Row | RowError]:
+    """Rows and errors in input order. Blank lines are skipped; a UTF-8 BOM and CRLF are fine;
+    a line over max_line_bytes is a too_long error, never parsed."""
+    return unique_ids(jsonl_items(path, fields, max_line_bytes))
 
 
 HUB_PREFIX = "hf:"
@@ -293,18 +338,19 @@ def input_size(source: str, split: str, subset: str | None) -> int | None:
     return dataset_size(source, split, subset) if is_dataset(source) else count_lines(source)
 
 
-def read_input(source: str, fields: Fields, *, split: str = "train", subset: str | None = None):
-    """Rows and errors of a JSONL file or a dataset, ids checked for duplicates."""
+def read_input(source: str, fields: Fields, *, split: str = "train", subset: str | None = None,
+               max_line_bytes: int = MAX_LINE_BYTES):
+    """Rows and errors of a JSONL file (or stream) or a dataset, ids checked for duplicates."""
     if is_dataset(source):
         return unique_ids(dataset_items(source, split, subset, fields))
-    if not os.path.isfile(source):
+    if not (os.path.isfile(source) or is_stream(source)):
         raise UsageError(f"input not found: {source} (a JSONL file, a dataset folder, or hf:OWNER/NAME)")
-    return unique_ids(jsonl_items(source, fields))
+    return unique_ids(jsonl_items(source, fields, max_line_bytes))
 
 
-def read_run_input(source: str, options: dict):
+def read_run_input(source: str, options: dict, max_line_bytes: int = MAX_LINE_BYTES):
     """read_input with a run's own fields, split and subset (RunConfig.options(), or the
     options in a run's summary)."""
     fields = Fields(prompt=options["prompt_field"], id=options["id_field"], messages=options["messages_field"],
                     tools=options.get("tools_field"))  # (a summary written before --tools-field has none)
-    return read_input(source, fields, split=options["split"], subset=options["subset"])
+    return read_input(source, fields, split=options["split"], subset=options["subset"], max_line_bytes=max_line_bytes)

@@ -3,23 +3,14 @@ it is safe while the run goes on: it takes no lock and writes nothing. Rows rema
 counted from the input named in the summary a stopped run left (unknown before that)."""
 
 import os
-from pathlib import Path
 
-import orjson
 
 from batchspec.merge import row_stats, shard_outputs
 from batchspec.shards import owned
-from batchspec.sink import OutputPaths
+from batchspec.sink import OutputPaths, complete_lines, foreign, read_records, read_summary
 from batchspec.sources import read_run_input
 
 HEADER = ["output", "rows", "errors", "remaining", "acceptance", "tok/s", "state"]
-
-
-def complete_lines(path: Path):
-    """The file's complete lines: a line being written right now is left out."""
-    if path.exists():
-        with open(path, "rb") as f:
-            yield from (line for line in f if line.endswith(b"\n"))
 
 
 def running(paths: OutputPaths) -> bool:
@@ -33,20 +24,22 @@ def running(paths: OutputPaths) -> bool:
 
 def shard_status(paths: OutputPaths) -> dict:
     rows = completion = proposed = accepted = 0
-    for line in complete_lines(paths.out):
-        stats = row_stats(orjson.loads(line))
+    for where, record in read_records(paths.out):
+        with foreign(where):
+            stats = row_stats(record)
+            completion += stats["completion_tokens"]
+            proposed += stats["draft_tokens"]
+            accepted += stats["accepted_tokens"]
         rows += 1
-        completion += stats["completion_tokens"]
-        proposed += stats["draft_tokens"]
-        accepted += stats["accepted_tokens"]
-    summary = orjson.loads(paths.summary.read_bytes()) if paths.summary.exists() else {}
+    summary = read_summary(paths.summary)
     finished = bool(summary.get("finished"))
     # tokens/s over the output's life: from the first run's start (its fingerprint) to the last write
     seconds = paths.out.stat().st_mtime - paths.fingerprint.stat().st_mtime if paths.fingerprint.exists() and \
         paths.out.exists() else 0
     state = "running" if running(paths) else "finished" if finished else "stopped" if summary else "not started"
     errors = sum(1 for _ in complete_lines(paths.errors))
-    total = None if finished or not summary else input_rows(summary["input"], summary["options"])
+    with foreign(str(paths.summary)):
+        total = None if finished or not summary else input_rows(summary["input"], summary["options"])
     return {
         "output": str(paths.out),
         "rows": rows,
@@ -60,8 +53,8 @@ def shard_status(paths: OutputPaths) -> dict:
 
 def input_rows(source: str, options: dict) -> int | None:
     """Non-blank lines (or examples) of the input that belong to this shard; None if it is gone."""
-    if not (os.path.exists(source) or source.startswith("hf:")):
-        return None
+    if not (os.path.isfile(source) or os.path.isdir(source) or source.startswith("hf:")):
+        return None  # gone, or a stream (stdin, a FIFO): not for status to read
     return sum(1 for _ in owned(read_run_input(source, options), options["num_shards"], options["shard_index"]))
 
 

@@ -16,11 +16,11 @@ import tomllib
 from dataclasses import fields, replace
 from pathlib import Path
 
-from batchspec.config import RunConfig, as_toml
+from batchspec.config import RunConfig, as_toml, is_stream
 from batchspec.errors import (EXIT_INTERRUPTED, EXIT_OK, EXIT_ROW_ERRORS, STOP_SIGNALS, StopSignals, UsageError,
                               UserError, say)
 from batchspec.merge import merge
-from batchspec.sink import OutputPaths, locked
+from batchspec.sink import OutputPaths, locked, output_paths, written
 from batchspec.sources import input_size
 from batchspec.stats import progress_bar
 
@@ -43,17 +43,22 @@ def check_devices_options(cfg: RunConfig) -> None:
                          "or a SLURM array (give each array task one device instead)")
     if "{shard" in cfg.out:
         raise UsageError("with --devices, --out is the merged output: drop its {shard} placeholder")
+    if is_stream(cfg.input):
+        raise UsageError("--devices has every worker read the input: give a file, not a stream (stdin, a FIFO)")
 
 
-def check_resumable(cfg: RunConfig, config_file: Path, count: int) -> None:
+def check_resumable(paths: OutputPaths, config_file: Path, count: int) -> None:
     """OUT must be new or begun by --devices with as many devices (the shards hold other rows)."""
-    if OutputPaths.of(cfg.out).fingerprint.exists():
-        raise UsageError(f"{cfg.out} was started by a run without --devices; resume it the same way, "
+    if paths.fingerprint.exists():
+        raise UsageError(f"{paths.out} was started by a run without --devices; resume it the same way, "
                          "or pass --overwrite to start over")
+    if written(paths.out) and not config_file.exists():
+        raise UsageError(f"{paths.out} exists and was not started by batchspec; choose another --out, or pass "
+                         "--overwrite to replace it")
     if config_file.exists():
         before = tomllib.loads(config_file.read_text())["num_shards"]
         if before != count:
-            raise UsageError(f"{cfg.out} was started on {before} devices; resume it on {before}, "
+            raise UsageError(f"{paths.out} was started on {before} devices; resume it on {before}, "
                              "or pass --overwrite to start over")
 
 
@@ -119,9 +124,9 @@ class LineCounter:
 def run_on_devices(cfg: RunConfig) -> int:
     devices = parse_devices(cfg.devices)
     check_devices_options(cfg)
-    folder = shard_folder(cfg.out)
+    paths = output_paths(cfg.out, cfg.input_files())
+    folder = shard_folder(str(paths.out))
     template = str(folder / "part-{shard}.jsonl")
-    paths = OutputPaths.of(cfg.out)
     config_file = folder / "run.toml"
     with locked(paths):
         if cfg.overwrite:
@@ -129,7 +134,7 @@ def run_on_devices(cfg: RunConfig) -> int:
             for path in paths.all():
                 path.unlink(missing_ok=True)
         else:
-            check_resumable(cfg, config_file, len(devices))
+            check_resumable(paths, config_file, len(devices))
         folder.mkdir(parents=True, exist_ok=True)
         shared = replace(cfg, out=template, num_shards=len(devices), devices=None, device="auto", overwrite=False,
                          progress=False)
@@ -138,7 +143,7 @@ def run_on_devices(cfg: RunConfig) -> int:
         workers = [Worker(i, device, config_file, shared, env) for i, device in enumerate(devices)]
         say(f"started {len(workers)} workers ({', '.join(devices)}); their logs: {folder}/part-*.log")
         wait(workers, template, input_size(cfg.input, cfg.split, cfg.subset), cfg.progress)
-        return finish(workers, template, cfg.out)
+        return finish(workers, template, str(paths.out))
 
 
 def wait(workers: list[Worker], template: str, total_rows: int | None, progress: bool) -> None:
@@ -170,7 +175,7 @@ def finish(workers: list[Worker], template: str, out: str) -> int:
         if codes == {EXIT_INTERRUPTED}:
             return EXIT_INTERRUPTED
         raise (UsageError if codes == {UsageError.exit_code} else UserError)(f"{out} was not merged")
-    summary = merge(template, out)
+    summary = merge(template, out, overwrite=True)  # OUT is this run's: checked before the workers started
     rate = summary["acceptance_rate"]
     say(f"done: {summary['rows_ok']} rows ok, {summary['rows_error']} errors, {summary['completion_tokens']} tokens"
         + (f", acceptance {rate:.3f}" if rate is not None else "")

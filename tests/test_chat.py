@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from batchspec.buckets import make_encoder
-from batchspec.chat import RESERVED_KWARGS, TemplateOptions, chat_request, run_template_options, takes_parts
+from batchspec.chat import RESERVED_KWARGS, Bounds, TemplateOptions, chat_request, run_template_options, takes_parts
 from batchspec.config import RunConfig
 from batchspec.errors import UsageError
 from batchspec.models import load_pair
@@ -152,7 +152,8 @@ def tool_tokenizer(pair):
 def test_prompt_ids_equal_apply_chat_template(tool_tokenizer, case):
     messages, body, run_options, (expected_messages, kwargs) = CASES[case]
     row = Row(1, 1, None, {}, messages=messages, chat=chat_request(body))
-    encode = make_encoder(tool_tokenizer, context_length=None, max_new_tokens=8, truncate=None, template=run_options)
+    encode = make_encoder(tool_tokenizer, context_length=None, max_new_tokens=8, truncate=None, template=run_options,
+                          request_templates=Bounds())  # a request's own template: rendered in a bounded child
     expected = tool_tokenizer.apply_chat_template(expected_messages, **{"add_generation_prompt": True, **kwargs},
                                                   return_dict=False)
     assert encode([row]) == [list(expected)]
@@ -204,7 +205,8 @@ def test_bad_chat_keys_are_refused(body, message):
      "roles must alternate"),
 ])
 def test_chats_the_template_cannot_take_are_error_rows(tool_tokenizer, messages, body, kind, message):
-    encode = make_encoder(tool_tokenizer, context_length=None, max_new_tokens=8, truncate=None)
+    encode = make_encoder(tool_tokenizer, context_length=None, max_new_tokens=8, truncate=None,
+                          request_templates=Bounds())
     rows = [Row(1, 1, None, {}, messages=messages, chat=chat_request(body)), Row(2, 2, None, {}, messages=[USER])]
     bad, good = encode(rows)
     assert isinstance(bad, RowError) and bad.type == kind and message in bad.message, bad
@@ -303,3 +305,65 @@ def test_a_tools_field_renders_each_rows_tools(tool_tokenizer, tmp_path):
     plain = tool_tokenizer.apply_chat_template([USER], add_generation_prompt=True, return_dict=False)
     assert encoded[:3] == [list(with_tools), list(with_tools), list(plain)]
     assert isinstance(encoded[3], RowError) and "give the row messages, or --chat" in encoded[3].message
+
+
+HOSTILE_TEMPLATES = {
+    "memory": "{{ 'x' * 10**9 }}",
+    "time": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "output": "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}",
+    "recursion": "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+    "division": "{{ 1 / 0 }}",
+}
+
+
+def test_a_requests_own_template_is_refused_unless_the_run_trusts_it(pair):
+    row = Row(1, 1, None, {}, messages=[{"role": "user", "content": "hi"}],
+              chat=chat_request({"chat_template": "{{ messages[0].content }}"}))
+    refused, = make_encoder(pair.tokenizer, context_length=None, max_new_tokens=8, truncate=None)([row])
+    assert isinstance(refused, RowError) and refused.type == "invalid_request"
+    assert "--trust-request-chat-template" in refused.message
+    trusted, = make_encoder(pair.tokenizer, context_length=None, max_new_tokens=8, truncate=None,
+                            request_templates=Bounds())([row])
+    assert trusted == pair.tokenizer("hi", add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("name", HOSTILE_TEMPLATES)
+def test_a_trusted_hostile_template_costs_its_row_only(pair, name):
+    """Rendered in a child bounded in time (1 s here), memory and output: the row gets an error
+    record, the process does not grow, and the next row renders."""
+    import resource
+    import time
+
+    hostile = Row(1, 1, None, {}, messages=[{"role": "user", "content": "hi"}],
+                  chat=chat_request({"chat_template": HOSTILE_TEMPLATES[name]}))
+    good = Row(2, 2, None, {}, messages=[{"role": "user", "content": "hi"}])
+    encode = make_encoder(pair.tokenizer, context_length=None, max_new_tokens=8, truncate=None,
+                          request_templates=Bounds(seconds=1.0, memory=256 << 20, chars=1 << 20))
+    grown_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    started = time.monotonic()
+    bad, fine = encode([hostile, good])
+    assert time.monotonic() - started < 10
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - grown_before < 100 << 10  # KiB: under 100 MiB
+    assert isinstance(bad, RowError) and bad.type in ("invalid_request", "invalid_messages"), bad
+    assert fine == templated(pair.tokenizer, good.messages)
+
+
+def test_a_run_template_that_fails_on_every_chat_is_a_usage_error(pair, tmp_path):
+    """Found in the first window, before a batch is decoded; one that fails on some chats only
+    is those rows' error."""
+    chats = [Row(k, k, None, {}, messages=[{"role": "user", "content": text}]) for k, text in enumerate(["a", "bb"])]
+    for source in ("{{ 1 / 0 }}", "{% for m in messages %}{{ m.content }}{% endfor %}{{ 1 / (messages|length - 1) }}"):
+        path = tmp_path / "t.jinja"
+        path.write_text(source)
+        options = run_template_options(str(path), None, False, pair.tokenizer)  # compiles: the probe passes
+        encode = make_encoder(pair.tokenizer, context_length=None, max_new_tokens=8, truncate=None, template=options)
+        with pytest.raises(UsageError, match="--chat-template renders none of the first window's chats.*division"):
+            encode(chats)
+    some = tmp_path / "some.jinja"
+    some.write_text("{% for m in messages %}{{ 1 / (m.content|length - 1) }}{% endfor %}")
+    encode = make_encoder(pair.tokenizer, context_length=None, max_new_tokens=8, truncate=None,
+                          template=run_template_options(str(some), None, False, pair.tokenizer))
+    failed, rendered = encode(chats)
+    assert isinstance(failed, RowError) and "ZeroDivisionError" in failed.message
+    assert not isinstance(rendered, RowError)
+    assert isinstance(encode(chats[:1])[0], RowError)  # later windows: row errors, the template proven

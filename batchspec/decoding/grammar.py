@@ -76,14 +76,24 @@ class Grammar:
 @functools.lru_cache(maxsize=1024)
 def grammar_problem(grammar: Grammar, tokenizer) -> str | None:
     """What the engine cannot compile or enforce in a grammar (with the tokenizer: also tokens
-    it names that the tokenizer does not have), or None. Cached: a million rows may share one."""
+    it names that the tokenizer does not have, and what fails its first mask, e.g. a schema that
+    refers to itself whole), or None. Cached: a million rows may share one."""
     if grammar.kind not in KINDS:
         return f"unknown grammar kind {grammar.kind!r}"
     try:
         problem = LLMatcher.validate_grammar(grammar.compiled, tokenizer and engine_tokenizer(tokenizer))
+        if not problem and tokenizer is not None:
+            problem = first_mask_problem(grammar, engine_tokenizer(tokenizer))
     except (ValueError, GrammarError) as e:
         problem = str(e)
     return f"invalid {grammar.kind.replace('_', ' ')}: {problem.strip()}" if problem else None
+
+
+def first_mask_problem(grammar: Grammar, tokenizer: llguidance.LLTokenizer) -> str | None:
+    """The engine's error (first line) when it cannot compute the grammar's first mask."""
+    start = LLMatcher(tokenizer, grammar.compiled, log_level=0)
+    start.compute_bitmask()
+    return f"the engine cannot start it ({start.get_error().strip().splitlines()[0]})" if start.is_error() else None
 
 
 @functools.lru_cache(maxsize=4)
