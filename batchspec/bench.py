@@ -31,18 +31,21 @@ from batchspec.decoding.engine import BatchDecoder, BatchOutput
 from batchspec.decoding.kv_cache import padded
 from batchspec.decoding.policy import GammaPolicy, chain_tokens
 from batchspec.decoding.seq2seq import decoder_prefix, model_cache
+from batchspec.decoding.suffix_index import SuffixIndex
 from batchspec.defaults import default_draft, default_target
 from batchspec.errors import UsageError
 from batchspec.fidelity import mean_jsd, mismatches
-from batchspec.job import option_grammar
+from batchspec.api import option_grammar
 from batchspec.models import load_pair
 from batchspec.sources import Row, RowError, read_jsonl
 
 HF, ASSISTED, LOOKUP, AR, AUTO = "hf generate", "hf assisted", "hf prompt lookup", "ar", "spec auto"
 TRANSFORMERS = (HF, ASSISTED, LOOKUP)  # methods transformers' generate runs (in lockstep: Generating)
 CONTROL = "ar again"  # --control: ar twice, side by side; its speed over ar is the measurement's noise
-NGRAM, HYBRID = "ngram auto", "hybrid auto"
-DRAFTERS = {"model": AUTO, "ngram": NGRAM, "hybrid": HYBRID}  # --drafters -> the auto method of each
+NGRAM, HYBRID, SUFFIX, SUFFIX_HYBRID = "ngram auto", "hybrid auto", "suffix auto", "suffix hybrid auto"
+DRAFTERS = {"model": AUTO, "ngram": NGRAM, "hybrid": HYBRID, "suffix": SUFFIX,
+            "suffix-hybrid": SUFFIX_HYBRID}  # --drafters -> the auto method of each
+WITH_MODEL = ("model", "hybrid", "suffix-hybrid")  # the drafters that run the draft model
 WITH_OPTIONS = " + options"  # --with-options: ar and spec auto again, every row with OPTIONS
 SCHEMA, NO_JUMP = " + schema", " + schema, no jump"  # --json-schema: ar and spec auto (without jump-forward) again
 # every processor and 5 logprobs, at strengths too small to change a token: the same work on the same outputs
@@ -68,7 +71,6 @@ class Cell:
     peak_mib: float | None = None  # the most memory its warm-up batch held above what was held before it
     mismatches: list[dict] = field(default_factory=list)  # rows unlike its reference's (fidelity.mismatches)
     policy: GammaPolicy | None = None
-    steps: GammaPolicy | None = None  # ar's: no gamma, the step timings a job keeps across batches (batch_rows)
     ideal: float | None = None  # the speed-up over ar its alpha promises at bare forward costs (ForwardCosts)
     options: RowOptions | None = None  # every row's (--with-options, --json-schema)
     samples: int = 1  # rows per prompt, side by side in a batch (--samples)
@@ -112,6 +114,12 @@ class Cell:
             return None
         shares = {g: count / sum(steps) for g, count in enumerate(steps, start=1) if count}
         return geometric_alpha(self.accepted_length, shares)
+
+    @property
+    def tokens_per_step(self) -> float | None:
+        """Tokens a row gained per target forward (None without a gamma policy: 1 or unknown)."""
+        forwards = self.total("target_forwards")
+        return self.total("completion_tokens") / forwards if forwards and self.policy else None
 
     @property
     def accepted_length(self) -> float | None:
@@ -310,8 +318,8 @@ def decode(pair, cell: Cell, batch: list[list[int]]) -> Run:
 def start(pair, cell: Cell, batch: list[list[int]]) -> BatchDecoder:
     """A batchspec method's decoder of one batch, its prompts prefilled."""
     options = [cell.options] * len(batch) if cell.options else None
-    return BatchDecoder(pair.target, cell.draft, batch, list(range(len(batch))), cell.config, options,
-                        cell.policy or cell.steps, pair.tokenizer)
+    return BatchDecoder(pair.target, cell.draft, batch, list(range(len(batch))), cell.config, options, cell.policy,
+                        pair.tokenizer)
 
 
 def finished(output: BatchOutput) -> Run:
@@ -338,8 +346,8 @@ def methods(pair, batch_size: int, drafters: list[str], gammas: list[int], base:
                   for w in tree_widths for g in [*gammas, None]]
     for drafter in drafters:
         config = base if drafter == "model" else lookup
-        draft = pair.draft if drafter in ("model", "hybrid") else None
-        cells.append(Cell(batch_size, DRAFTERS[drafter], config, draft))
+        config = replace(config, suffix=SuffixIndex()) if drafter.startswith("suffix") else config
+        cells.append(Cell(batch_size, DRAFTERS[drafter], config, pair.draft if drafter in WITH_MODEL else None))
     if with_options:
         cells.append(Cell(batch_size, AR + WITH_OPTIONS, base, options=OPTIONS))
         if "model" in drafters:
@@ -356,7 +364,6 @@ def methods(pair, batch_size: int, drafters: list[str], gammas: list[int], base:
     for cell in cells:
         plain = cell.method in TRANSFORMERS or cell.method.startswith(AR)  # no gamma policy
         cell.policy = None if plain else cell.config.policy()
-        cell.steps = cell.config.policy() if cell.method.startswith(AR) else None
     return cells
 
 
@@ -401,6 +408,10 @@ def bench_size(pair, prompts, batch_size: int, drafters: list[str], gammas: list
                 if b % every == 0 and len(batch) == width:
                     timings.append(forward_costs(pair, batch, widest, repeats=1))
                 continue
+            if b == 0:  # a pass is a job over the prompts: a suffix index holds only its own batches' completions
+                for cell in group:
+                    if cell.config.suffix is not None:
+                        cell.config = replace(cell.config, suffix=SuffixIndex())
             batches = [cell.prompts(prompts)[starts[b] : starts[b] + batch_size] for cell in group]
             if len(group) == 1:
                 done = [whole(pair, group[0], batches[0], forwards)]
@@ -440,12 +451,12 @@ class Stepping:
 
     def __init__(self, pair, cell: Cell, batch: list[list[int]]):
         self.seconds, self.decoder = timed(lambda: start(pair, cell, batch))  # its time so far: prefill, steps
-        self.tokens = sum(tally.limit for tally in self.decoder.tallies)  # what its rows may generate in all
+        self.tokens = sum(self.decoder.remaining())  # what its rows may generate in all
 
     @property
     def progress(self) -> float:
         """The share of its rows' tokens generated (a row that ended: all of its own)."""
-        return 1 - sum(t.limit - len(t.tokens) for t in self.decoder.tallies if t) / self.tokens
+        return 1 - sum(self.decoder.remaining()) / self.tokens
 
     @property
     def done(self) -> bool:
@@ -629,8 +640,8 @@ def reset_peak_resident() -> int | None:
 
 
 def table(cells: list[Cell]) -> str:
-    header = ["batch", "method", "tok/s", "x ar", "x hf", "rows = ar", "alpha", "accepted/step", "gamma used",
-              "ideal x ar", "achieved/ideal"]
+    header = ["batch", "method", "tok/s", "x ar", "x hf", "rows = ar", "alpha", "tokens/step", "accepted/step",
+              "gamma used", "ideal x ar", "achieved/ideal"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for size in sorted({c.batch_size for c in cells}):
         row_cells = [c for c in cells if c.batch_size == size]
@@ -639,7 +650,8 @@ def table(cells: list[Cell]) -> str:
             speedup = faster(c, ar)
             lines.append("| " + " | ".join([
                 str(size), c.method, f"{c.rate:.1f}", f"{speedup:.2f}", f"{faster(c, hf):.2f}",
-                f"{len(c.outputs) - len(c.mismatches)}/{len(c.outputs)}", fmt(c.alpha), fmt(c.accepted_length),
+                f"{len(c.outputs) - len(c.mismatches)}/{len(c.outputs)}", fmt(c.alpha),
+                fmt(c.tokens_per_step), fmt(c.accepted_length),
                 c.gammas_used(), fmt(c.ideal), fmt(speedup / c.ideal if c.ideal else None),
             ]) + " |")
     return "\n".join(lines)
@@ -661,8 +673,9 @@ def run_options(cell: Cell) -> dict | None:
     if cell.config.tree_width > 1:
         options |= {"tree_width": cell.config.tree_width}
     if cell.config.ngram:
+        lookup = "suffix" if cell.config.suffix is not None else "ngram"
         options |= {"ngram_min": cell.config.ngram[0], "ngram_max": cell.config.ngram[1]}
-        options |= {"ngram": True} if cell.draft is not None else {"draft": "ngram"}
+        options |= {lookup: True} if cell.draft is not None else {"draft": lookup}
     return options
 
 
@@ -765,13 +778,13 @@ def bench(*, target: str | None, draft: str | None, prompts: str, rows: int | No
     models = {"target": target, "draft": draft} if target is not None else {}  # for the config files
     if target is None:
         target, draft = default_target(), draft or default_draft()
-    if draft is None and {"model", "hybrid"} & set(drafters):
-        raise UsageError("the model and hybrid drafters need --draft with --target (or --drafters ngram)")
+    if draft is None and set(WITH_MODEL) & set(drafters):
+        raise UsageError("the model and hybrid drafters need --draft with --target (or --drafters ngram,suffix)")
     if not 1 <= ngram_min <= ngram_max:
         raise UsageError(f"need 1 <= --ngram-min <= --ngram-max, got {ngram_min} and {ngram_max}")
     gammas = gammas if "model" in drafters else []
     tree_widths = tuple(w for w in tree_widths if w > 1) if "model" in drafters else ()
-    pair = load_pair(target, draft if {"model", "hybrid"} & set(drafters) else None, dtype=dtype, device=device)
+    pair = load_pair(target, draft if set(WITH_MODEL) & set(drafters) else None, dtype=dtype, device=device)
     token_ids = load_prompts(prompts, pair.tokenizer, rows or max(batch_sizes))
     schema = RowOptions(grammar=option_grammar("json_schema", json_schema, pair.tokenizer)) if json_schema else None
     base = DecodeConfig(max_new_tokens=max_new_tokens, eos_token_ids=pair.eos_token_ids, gamma_max=gamma_max,

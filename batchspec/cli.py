@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import sys
 import tomllib
 import traceback
@@ -39,6 +40,20 @@ def load_config_file(ctx, param, path):
         data["keep_fields"] = ",".join(data["keep_fields"])
     ctx.default_map = {**(ctx.default_map or {}), **data}
     return path
+
+
+class File(click.Path):
+    """An existing regular file: a FIFO or a device given as a settings file would block the run
+    or feed it without end."""
+
+    def __init__(self):
+        super().__init__(exists=True, dir_okay=False)
+
+    def convert(self, value, param, ctx):
+        path = super().convert(value, param, ctx)
+        if not os.path.isfile(path):
+            self.fail(f"{path!r} is not a regular file", param, ctx)
+        return path
 
 
 class Finite(click.FloatRange):
@@ -123,7 +138,7 @@ def main():
 
 
 @main.command()
-@click.option("--config", type=click.Path(exists=True, dir_okay=False), is_eager=True, expose_value=False,
+@click.option("--config", type=File(), is_eager=True, expose_value=False,
               callback=load_config_file, envvar="BATCHSPEC_CONFIG", show_envvar=True,
               help="TOML file of options (CLI > environment > file > defaults).")
 @click.argument("input", envvar="BATCHSPEC_INPUT")
@@ -132,12 +147,16 @@ def main():
 @option("--target", default=None,
         help="Target model: Hub id, local folder or .gguf file. Default: the embedded SmolLM2-135M-Instruct.")
 @option("--draft", multiple=True,
-        help="Draft model sharing the target's tokenizer, for --mode spec, or 'ngram': prompt lookup, no model. "
+        help="Draft model sharing the target's tokenizer, for --mode spec, or 'ngram': prompt lookup, or 'suffix': "
+        "the job's earlier completions and the row's own text (no model). "
         "Default: the embedded draft, when the target is the default. Given again: more draft models, each "
         "proposing a chain, checked together as one tree (greedy only).")
 @option("--ngram/--no-ngram", default=False,
         help="With a draft model: propose by n-gram lookup for rows whose context has a match, by the model "
         "elsewhere (hybrid).")
+@option("--suffix/--no-suffix", default=False,
+        help="With a draft model: propose from the job's earlier completions (and the row's own text) where that "
+        "is confident, by the model elsewhere (hybrid).")
 @option("--ngram-min", type=click.IntRange(1), default=2, help="Shortest n-gram looked up (--draft ngram, --ngram).")
 @option("--ngram-max", type=click.IntRange(1), default=4, help="Longest n-gram looked up; longer matches win.")
 @option("--mode", type=click.Choice(["spec", "ar"]), default="spec",
@@ -172,11 +191,11 @@ def main():
         help="Completions per row, each sampled on its own (the prompt is prefilled once).")
 @option("--logprobs", type=click.IntRange(0, 20), default=None,
         help="Record each token's logprob (the target's raw log-softmax) and the top K.")
-@option("--json-schema", type=click.Path(exists=True, dir_okay=False), default=None,
+@option("--json-schema", type=File(), default=None,
         help="A JSON schema file every row's output matches (compact JSON); a request's own response_format wins.")
 @option("--regex", default=None, help="A regular expression every row's output matches.")
 @option("--choice", default=None, help="Comma-separated texts: every row's output is one of them.")
-@option("--grammar", type=click.Path(exists=True, dir_okay=False), default=None,
+@option("--grammar", type=File(), default=None,
         help="A Lark or GBNF grammar file every row's output matches.")
 @option("--batch-size", type=click.IntRange(1), default=8, help="Rows per static batch.")
 @option("--max-batch-tokens", type=click.IntRange(1), default=None,
@@ -188,6 +207,14 @@ def main():
 @option("--devices", default=None,
         help="Comma-separated devices (cuda:0,cuda:1,...): one worker process each, a shard apiece, merged "
         "into OUT at the end.")
+@option("--engine", type=click.Choice(["local", "ray"]), default="local",
+        help="local: this process (or --devices' workers); ray: Ray Data actors on a Ray cluster (pip install "
+        "'batchspec[ray]'), records merged into OUT here.")
+@option("--ray-address", default=None,
+        help="With --engine ray: the cluster to join (auto: the one this machine is part of). Default: a local one.")
+@option("--workers", type=click.IntRange(1), default=1, help="With --engine ray: actors, each holding the models.")
+@option("--gpus-per-worker", type=Finite(0), default=None,
+        help="With --engine ray: GPUs each actor takes. Default: 1 where the cluster has GPUs, else 0.")
 @option("--split", default="train", help="Dataset split, for dataset inputs.")
 @option("--subset", default=None, help="Dataset configuration (subset), for dataset inputs.")
 @option("--prompt-field", default="prompt", help="Input field holding the prompt text.")
@@ -198,7 +225,7 @@ def main():
         help="Input field holding a chat row's tools (a list of OpenAI function tools, or it as JSON text).")
 @option("--chat", is_flag=True, default=False, help="Wrap plain prompts as one user message (chat template).")
 @option("--system", default=None, help="System message added to every chat that has none.")
-@option("--chat-template", type=click.Path(exists=True, dir_okay=False), default=None,
+@option("--chat-template", type=File(), default=None,
         help="Jinja chat template file replacing the tokenizer's (a request's chat_template replaces both).")
 @option("--chat-template-kwargs", type=JsonObject(), default=None,
         help="JSON object of extra chat template variables, e.g. '{\"enable_thinking\": false}' (a request's "
@@ -250,6 +277,11 @@ def run(input, debug, print_config, **options):
         from batchspec.workers import run_on_devices  # the workers load the models; this process merges
 
         sys.exit(guarded(lambda: run_on_devices(config), debug))
+    if config.engine == "ray" and not config.dry_run:
+        with StopSignals() as stop:
+            from batchspec.ray import run_on_ray  # the actors load the models; this process writes OUT
+
+            sys.exit(guarded(lambda: run_on_ray(config, stop), debug))
     with StopSignals() as stop:  # a stop while torch and transformers load ends the run before its first batch
         from batchspec import job  # torch and transformers load only once the options are fine
 
@@ -270,14 +302,15 @@ def int_list(text: str, name: str) -> list[int]:
 @main.command()
 @option("--target", default=None, help="Target model. Default: the embedded SmolLM2-135M-Instruct.")
 @option("--draft", default=None, help="Draft model. Default: the embedded draft.")
-@option("--prompts", type=click.Path(exists=True, dir_okay=False), default="sample_data/prompts.jsonl",
+@option("--prompts", type=File(), default="sample_data/prompts.jsonl",
         help="JSONL rows to take prompts from.")
 @option("--rows", type=click.IntRange(1), default=None,
         help="Prompts decoded by every method at every batch size (cycled from the file). Default: the largest "
         "batch size.")
 @option("--batch-sizes", default="1,4,8", help="Comma-separated batch sizes.")
 @option("--drafters", default="model,ngram,hybrid",
-        help="Comma-separated drafters run with --gamma auto: model (the draft), ngram (prompt lookup), hybrid.")
+        help="Comma-separated drafters run with --gamma auto: model (the draft), ngram (prompt lookup), hybrid, "
+        "suffix (the earlier completions of the same pass), suffix-hybrid (suffix beside the model).")
 @option("--gammas", default="1,3,5,8", help="Comma-separated fixed gammas of the draft model ('' for none).")
 @option("--tree-widths", default="",
         help="Comma-separated tree widths: the draft's trees at each fixed gamma (as depth) and with auto, beside "
@@ -301,7 +334,7 @@ def int_list(text: str, name: str) -> list[int]:
         help="Also ar and spec auto with every logits processor (too weak to change a token) and 5 logprobs.")
 @option("--samples", type=click.IntRange(1, 128), default=1,
         help="N > 1: also ar over rows that repeat each prompt N times, prefilled once (as n: N) and each.")
-@option("--json-schema", type=click.Path(exists=True, dir_okay=False), default=None,
+@option("--json-schema", type=File(), default=None,
         help="A JSON schema file: also ar and spec auto (with and without jump-forward) with every row's output "
              "constrained by it.")
 @option("--out-dir", type=click.Path(file_okay=False), default=None,

@@ -10,9 +10,11 @@ from pathlib import Path
 import orjson
 
 NGRAM = "ngram"  # --draft ngram: prompt lookup drafting, no draft model
+SUFFIX = "suffix"  # --draft suffix: the job's earlier completions and the row's own text, no draft model
+LOOKUPS = (NGRAM, SUFFIX)  # the model-free drafters --draft names
 
 FINGERPRINT_FIELDS = (
-    "target", "draft", "ngram", "ngram_min", "ngram_max", "mode", "gamma", "gamma_max", "max_new_tokens",
+    "target", "draft", "ngram", "suffix", "ngram_min", "ngram_max", "mode", "gamma", "gamma_max", "max_new_tokens",
     "temperature", "top_k", "top_p", "min_p", "seed", "stop", "min_new_tokens", "repetition_penalty",
     "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "n", "dtype", "json_schema", "regex", "choice",
     "grammar",
@@ -31,6 +33,7 @@ class RunConfig:
     draft: str | None = None  # a draft model, or "ngram": prompt lookup, no model
     more_drafts: tuple[str, ...] = ()  # --draft again: more draft models, their chains checked as one tree
     ngram: bool = False  # with a draft model: n-gram lookup where a row has a match (hybrid)
+    suffix: bool = False  # with a draft model: the suffix index where it is confident (hybrid)
     ngram_min: int = 2  # n-gram sizes looked up, longest first
     ngram_max: int = 4
     mode: str = "spec"  # "spec" or "ar"
@@ -62,6 +65,10 @@ class RunConfig:
     dtype: str = "auto"
     device: str = "auto"
     devices: str | None = None  # "cuda:0,cuda:1": one worker process per device (workers.py)
+    engine: str = "local"  # "local": this process (or --devices' workers); "ray": Ray Data actors (ray.py)
+    ray_address: str | None = None  # the Ray cluster to join ("auto": this machine's); None: start a local one
+    workers: int = 1  # Ray actors, each holding the models
+    gpus_per_worker: float | None = None  # None: 1 where the cluster has GPUs, else 0
     split: str = "train"  # for dataset inputs
     subset: str | None = None
     prompt_field: str = "prompt"
@@ -113,14 +120,21 @@ class RunConfig:
 
     @property
     def draft_model(self) -> str | None:
-        """The draft model to load: none for --mode ar or --draft ngram."""
-        return self.draft if self.mode == "spec" and self.draft != NGRAM else None
+        """The draft model to load: none for --mode ar, --draft ngram or --draft suffix."""
+        return self.draft if self.mode == "spec" and self.draft not in LOOKUPS else None
+
+    @property
+    def lookup(self) -> str | None:
+        """The model-free drafter, alone (--draft ngram|suffix) or beside a model (--ngram, --suffix)."""
+        if self.mode != "spec":
+            return None
+        return self.draft if self.draft in LOOKUPS else NGRAM if self.ngram else SUFFIX if self.suffix else None
 
     @property
     def ngram_sizes(self) -> tuple[int, int] | None:
-        """(n_min, n_max) when n-gram lookup drafts (--draft ngram, or --ngram beside a model)."""
-        looks_up = self.mode == "spec" and (self.draft == NGRAM or self.ngram)
-        return (self.ngram_min, self.ngram_max) if looks_up else None
+        """(n_min, n_max) when a lookup drafts: n-gram sizes, or those the suffix drafter looks a
+        row's own text up with."""
+        return (self.ngram_min, self.ngram_max) if self.lookup else None
 
 
 STDIN = "-"  # INPUT "-": standard input

@@ -34,6 +34,11 @@ class StopSignals:
         self.previous = {s: signal.signal(s, self.handle) for s in STOP_SIGNALS}
         return self
 
+    def take_back(self) -> None:
+        """Handle the stop signals again after a library installed its own (Ray's core worker)."""
+        for s in STOP_SIGNALS:
+            signal.signal(s, self.handle)
+
     def handle(self, signum, frame):
         self.received = signum
         if self.forward:

@@ -15,7 +15,7 @@ import jinja2
 from batchspec.bench_files import pyplot
 from batchspec.errors import UsageError
 from batchspec.sink import OutputPaths, foreign, read_records, read_summary
-from batchspec.stats import add_up
+from batchspec.decoding.row_stats import RowStats
 
 ACCEPTANCE_BINS = 20  # per-row acceptance histogram over [0, 1]
 ERROR_EXAMPLES = 3  # error records shown per type
@@ -75,13 +75,8 @@ class Digest:
     records: int = 0
     samples: int = 0
     traced: int = 0  # samples written with --trace
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
+    totals: RowStats = field(default_factory=RowStats)  # the samples' statistics summed (the prompts' once a record)
     finish_reasons: Counter = field(default_factory=Counter)
-    accepted_lengths: list[int] = field(default_factory=list)  # speculative steps per accepted length
-    gammas: list[int] = field(default_factory=list)  # steps per number of proposals
     row_acceptance: list[int] = field(default_factory=lambda: [0] * ACCEPTANCE_BINS)
     timeline: Timeline = field(default_factory=Timeline)
     sampled: list[tuple[int, dict]] = field(default_factory=list)  # (place in the output, view)
@@ -91,7 +86,7 @@ class Digest:
     def add(self, record: dict) -> None:
         samples = samples_of(record)
         self.records += 1
-        self.prompt_tokens += samples[0][2]["prompt_tokens"]
+        self.totals.prompt_tokens += samples[0][2]["prompt_tokens"]
         for _, finish_reason, stats in samples:
             self.add_sample(finish_reason, stats)
         self.keep_view(record, samples)
@@ -99,11 +94,7 @@ class Digest:
     def add_sample(self, finish_reason: str, stats: dict) -> None:
         self.samples += 1
         self.finish_reasons[finish_reason] += 1
-        self.completion_tokens += stats["completion_tokens"]
-        self.draft_tokens += stats["draft_tokens"]
-        self.accepted_tokens += stats["accepted_tokens"]
-        self.accepted_lengths = add_up(self.accepted_lengths, stats.get("accepted_length_histogram", []))
-        self.gammas = add_up(self.gammas, stats.get("gamma_histogram", []))
+        self.totals.add({k: v for k, v in stats.items() if k != "prompt_tokens"})
         if stats["draft_tokens"]:
             rate = stats["accepted_tokens"] / stats["draft_tokens"]
             self.row_acceptance[min(int(rate * ACCEPTANCE_BINS), ACCEPTANCE_BINS - 1)] += 1
@@ -212,19 +203,20 @@ def plots(found: Digest) -> list[dict]:
         ax.set(xlabel="minutes", ylabel="tokens/s", title="throughput over the run (rows as they finished)")
         ax.set_ylim(bottom=0)
         figures.append({"title": "Throughput over the run", "src": png(fig)})
-        if found.draft_tokens:
+        if found.totals.draft_tokens:
             fig, ax = plt.subplots(figsize=(6, 3.2))
             ax.plot(*zip(*[(m, sums[2] / sums[1]) for m, sums in points if sums[1]]), marker=".")
             ax.set(xlabel="minutes", ylabel="accepted / proposed", title="acceptance over the run", ylim=(0, 1.02))
             figures.append({"title": "Acceptance over the run", "src": png(fig)})
-    if found.draft_tokens:
+    if found.totals.draft_tokens:
         fig, ax = plt.subplots(figsize=(6, 3.2))
         ax.bar([(i + 0.5) / ACCEPTANCE_BINS for i in range(ACCEPTANCE_BINS)], found.row_acceptance,
                width=1 / ACCEPTANCE_BINS, edgecolor="white")
         ax.set(xlabel="acceptance rate of the row", ylabel="rows", title="per-row acceptance")
         figures.append({"title": "Per-row acceptance", "src": png(fig)})
         fig, ax = plt.subplots(figsize=(6, 3.2))
-        ax.bar(range(len(found.accepted_lengths)), found.accepted_lengths, edgecolor="white")
+        lengths = found.totals.accepted_length_histogram
+        ax.bar(range(len(lengths)), lengths, edgecolor="white")
         ax.set(xlabel="proposals accepted in a step", ylabel="steps", title="accepted lengths")
         figures.append({"title": "Accepted lengths", "src": png(fig)})
     return figures
@@ -233,16 +225,17 @@ def plots(found: Digest) -> list[dict]:
 def overview(found: Digest, summary: dict) -> list[tuple[str, str]]:
     """The summary table: from the records, and from OUT.summary.json where the run left one."""
     models = summary.get("models", {})
-    rate = found.accepted_tokens / found.draft_tokens if found.draft_tokens else None
+    totals = found.totals
+    rate = totals.accepted_tokens / totals.draft_tokens if totals.draft_tokens else None
     rows = [
         ("rows", str(found.records) + (f" ({found.samples} samples)" if found.samples != found.records else "")),
         ("errors", str(sum(found.errors.values()))),
         ("finish reasons", ", ".join(f"{k} {v}" for k, v in found.finish_reasons.most_common())),
-        ("prompt tokens", str(found.prompt_tokens)),
-        ("completion tokens", str(found.completion_tokens)),
-        ("acceptance", f"{rate:.3f} ({found.accepted_tokens} of {found.draft_tokens} proposals)" if rate is not None
+        ("prompt tokens", str(totals.prompt_tokens)),
+        ("completion tokens", str(totals.completion_tokens)),
+        ("acceptance", f"{rate:.3f} ({totals.accepted_tokens} of {totals.draft_tokens} proposals)" if rate is not None
          else "no proposals (autoregressive)"),
-        ("steps per gamma", " ".join(f"{g}:{n}" for g, n in enumerate(found.gammas) if n) or "-"),
+        ("steps per gamma", " ".join(f"{g}:{n}" for g, n in enumerate(totals.gamma_histogram) if n) or "-"),
     ]
     if summary:
         rows += [("target", str(models.get("target"))), ("draft", str(models.get("draft") or models.get("ngram"))),

@@ -41,6 +41,7 @@ LINES = {
                            "invalid_request"),
     "schema that refers to itself": (request("self-ref", response_format={
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}), "invalid_request"),
+    "regex the engine cannot hold": (request("regex-limits", guided_regex="(a{1000}){1000}"), "grammar"),
     "min over max tokens": (request("min-max", min_tokens=9, max_tokens=3), "invalid_request"),
     "n too large": (request("n-huge", n=10**9), "invalid_request"),
     "max_tokens zero": (request("max-zero", max_tokens=0), "invalid_request"),
@@ -49,5 +50,14 @@ LINES = {
     "role not a string": (line(id="role", messages=[{"role": 5, "content": "x"}]), "invalid_messages"),
     "content an object": (line(id="content", messages=[{"role": "user", "content": {"a": 1}}]), "invalid_messages"),
     "many stop strings": (request("stops", stop=["zz" * 500] * 4), None),
+    "a BOM in the middle": (b"\xef\xbb\xbf" + line(id="bom", prompt="x"), "invalid_json"),
+    "empty id": (line(id="", prompt="x"), "invalid_id"),
+    "id a list": (line(id=[1], prompt="x"), "invalid_id"),
+    "another endpoint": (orjson.dumps({"custom_id": "embed", "url": "/v1/embeddings", "body": {"input": "x"}}),
+                         "invalid_request"),
+    "bias on a token the tokenizer lacks": (request("bias", logit_bias={"999999999": 5}), "invalid_request"),
+    "empty stop string": (request("empty-stop", stop=[""]), "invalid_request"),
+    "seed not an integer": (request("seed", seed=1e30), "invalid_request"),
+    "max_tokens past any context": (request("max-huge", max_tokens=10**12), "too_long"),
     "duplicate id": (line(id="plain", prompt="again"), "duplicate_id"),
 }

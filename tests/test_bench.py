@@ -55,16 +55,16 @@ def test_bench_table(tiny_pair, tmp_path):
         assert r[5] == "3/3"  # greedy float32: every method's completions equal ar's (+ options, + schema:
         # ar's with them; n=3, its one prompt prefilled once: the copies', each prefilled)
         if "auto" in r[1] or r[1].endswith("gamma=2"):
-            alpha, accepted, used, ideal, achieved = r[6:]
+            alpha, tokens_per_step, accepted, used, ideal, achieved = r[6:]
             shares = dict(part.split(":") for part in used.split())
             assert sum(int(share.rstrip("%")) for share in shares.values()) in (99, 100, 101)
             assert "auto" in r[1] or shares == {"2": "100%"}
             if shares != {"0": "100%"}:  # auto may have found plain steps faster throughout
-                assert 0 <= float(alpha) <= 1 and 0 <= float(accepted) <= 3
+                assert 0 <= float(alpha) <= 1 and 0 <= float(accepted) <= 3 and 1 <= float(tokens_per_step) <= 4
             if r[1] != "hybrid auto":  # a hybrid's steps mix costs: no ideal
                 assert float(ideal) > 0 and float(achieved) > 0
         else:
-            assert r[6:] == ["", "", "", "", ""]
+            assert r[6:] == ["", "", "", "", "", ""]
     verdicts = [line for line in lines if line.startswith("batch ")]
     assert [v.split(":")[0] for v in verdicts] == ["batch 1", "batch 3"]
     assert all("best fixed (spec gamma=2)" in v and "ngram auto" in v and "hybrid auto" in v for v in verdicts)

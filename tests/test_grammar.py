@@ -20,6 +20,7 @@ from transformers import (ForcedBOSTokenLogitsProcessor, ForcedEOSTokenLogitsPro
 
 from batchspec.decoding import DecodeConfig, RowOptions, SamplingParams, decode_batch
 from batchspec.decoding.grammar import Grammar, GrammarRows, engine_tokenizer, matcher, unpack
+from batchspec.decoding.suffix_index import SuffixIndex
 from batchspec.models import load_pair
 from batchspec.request_body import structured_output
 
@@ -42,6 +43,7 @@ LENGTHS = [5, 40, 1, 17, 9, 60, 3, 25]
 MODES = {  # name -> (with the draft model, DecodeConfig settings)
     "ar": (False, {}), "model": (True, dict(gamma=3)), "auto": (True, dict(gamma=None)),
     "ngram": (False, dict(gamma=4, ngram=(1, 3))), "hybrid": (True, dict(gamma=None, ngram=(1, 3))),
+    "suffix": (False, dict(gamma=4, ngram=(1, 3))),  # a fresh suffix index per batch (run)
     "no jump": (True, dict(gamma=3, jump_forward=False)),
 }
 
@@ -96,6 +98,7 @@ def expected(pair, prompts):
 
 def run(pair, prompts, grammars, mode: str, **options):
     drafts, settings = MODES[mode]
+    settings = settings | ({"suffix": SuffixIndex()} if mode == "suffix" else {})
     config = DecodeConfig(max_new_tokens=MAX_NEW, eos_token_ids=pair.eos_token_ids, **settings)
     return decode_batch(pair.target, pair.draft if drafts else None, prompts, list(range(len(prompts))), config,
                         [RowOptions(grammar=g, **options) for g in grammars], tokenizer=pair.tokenizer).rows
@@ -129,6 +132,29 @@ def test_grammar_rows_equal_generate_with_the_mask(pair, prompts, expected, mode
         assert sum(r.stats["draft_tokens"] - r.stats["accepted_tokens"] for r in out) > 0  # rejections happen
         jumps = sum(r.stats["jump_steps"] for r in out)
         assert jumps == 0 if mode == "no jump" else jumps > 0
+
+
+@pytest.mark.parametrize("mode", ["ar", "model"])
+def test_a_row_whose_grammar_fails_ends_with_an_error(pair, prompts, expected, mode, monkeypatch):
+    """A row whose matcher enters its error state (forced here: after its third step it consumes
+    a token its grammar refuses) ends there with an error naming the grammar's kind and the
+    engine's message, not as a normal "stop"; its batch mates decode on as before."""
+    advance, steps = GrammarRows.advance, []
+
+    def failing(self, blocks):
+        steps.append(len(self.matchers))
+        if len(steps) == 3:  # the JSON schema row, first in the batch
+            m = self.matchers[0]
+            m.consume_tokens([next(t for t in range(self.vocab) if m.validate_tokens([t]) == 0)])
+        return advance(self, blocks)
+
+    monkeypatch.setattr(GrammarRows, "advance", failing)
+    out = run(pair, prompts, GRAMMARS, mode)
+    failed = out[0]
+    assert failed.finish_reason == "error" and failed.error.startswith("the json schema could not be enforced: ")
+    assert len(failed.error) > len("the json schema could not be enforced: ")
+    assert failed.token_ids == expected[0][: len(failed.token_ids)] and len(failed.token_ids) < len(expected[0])
+    assert [r.token_ids for r in out[1:]] == expected[1:] and all(r.error is None for r in out[1:])
 
 
 @pytest.mark.parametrize("family, forced_bos", [("t5", None), ("bart", 77)])

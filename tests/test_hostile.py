@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 from hostile_lines import LINES
-from test_job import ENV, cli, run_cli, run_here, sidecar
+from test_job import ENV, cli, run_here, sidecar
 
 # `batchspec run` in a child that reports its own peak RSS (KiB) on its last stderr line
 MEASURED = ("import resource, sys\nfrom batchspec.cli import main\ntry:\n    main(sys.argv[1:])\nfinally:\n"
@@ -276,3 +276,10 @@ def test_an_out_that_is_not_a_regular_file_is_refused(models, plain_input, tmp_p
     os.mkfifo(fifo)
     refused(run_here(str(plain_input), "--out", str(fifo), *models), "not a regular file")
     assert not (tmp_path / "out.fifo.run.json").exists()
+
+
+@pytest.mark.parametrize("option", ["--chat-template", "--json-schema", "--grammar", "--config"])
+def test_a_settings_file_that_is_a_fifo_is_refused_at_once(plain_input, tmp_path, option):
+    fifo = tmp_path / "settings.fifo"
+    os.mkfifo(fifo)
+    refused(run_here(str(plain_input), "--out", str(tmp_path / "out.jsonl"), option, str(fifo)), "not a regular file")

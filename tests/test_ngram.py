@@ -1,6 +1,7 @@
 """N-gram lookup: the incremental index proposes exactly what a scan of the whole context would."""
 
 import random
+from types import SimpleNamespace
 
 import torch
 
@@ -37,7 +38,7 @@ def test_lookup_equals_a_scan_of_the_whole_context():
                 assert proposal.sources[b] == ("ngram" if expected else None)
             assert proposal.tokens.shape == (3, max(proposal.lengths))
             appended = [[rng.randrange(alphabet) for _ in range(rng.randint(1, 4))] for _ in contexts]
-            drafter.verified(proposal, None, None, 0, appended)
+            drafter.verified(SimpleNamespace(blocks=appended))  # what the step's report tells a lookup
             contexts = [c + a for c, a in zip(contexts, appended)]
 
 

@@ -9,11 +9,13 @@ import pytest
 import torch
 
 from batchspec.decoding import DecodeConfig, RowOptions, decode_batch
+from batchspec.decoding.suffix_index import SuffixIndex
 from batchspec.models import load_pair
 
 MAX_NEW = 32
 LENGTHS = [5, 40, 1, 17, 9, 60, 3, 25]
 DRAFTERS = {"model": dict(gamma=3), "hybrid": dict(gamma=None, ngram=(1, 3)), "ngram": dict(gamma=4, ngram=(1, 3)),
+            "suffix": dict(gamma=4, ngram=(1, 3)),  # a fresh index per batch: its rows' completions as they end
             "tree": dict(gamma=3, tree_width=3)}  # tree: each slot processed after its own ancestors
 
 
@@ -38,7 +40,7 @@ def generate(pair, prompt, eos_ids=(), **processing) -> list[int]:
 
 def run(pair, prompts, options, drafter="model", draft=None, **config):
     """decode_batch greedy; drafter: a DRAFTERS key or "ar"; config: more DecodeConfig fields."""
-    settings = DRAFTERS.get(drafter, {}) | config
+    settings = DRAFTERS.get(drafter, {}) | config | ({"suffix": SuffixIndex()} if drafter == "suffix" else {})
     config = DecodeConfig(max_new_tokens=MAX_NEW, eos_token_ids=pair.eos_token_ids, **settings)
     draft = draft or (pair.draft if drafter in ("model", "hybrid", "tree") else None)
     return decode_batch(pair.target, draft, prompts, list(range(len(prompts))), config, options,

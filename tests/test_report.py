@@ -135,7 +135,7 @@ def memory_kib(field):
 before = memory_kib("VmRSS:")
 found = digest(Path({str(out)!r}), Path("none.errors.jsonl"), views=200, seed=0)
 print(orjson.dumps({{"grew_kib": memory_kib("VmHWM:") - before, "records": found.records,
-                    "sampled": len(found.sampled), "tokens": found.completion_tokens,
+                    "sampled": len(found.sampled), "tokens": found.totals.completion_tokens,
                     "binned": sum(sums[0] for sums in found.timeline.bins.values())}}).decode())
 """
     result = subprocess.run([sys.executable, "-c", measure], capture_output=True, text=True, timeout=300)
@@ -155,7 +155,7 @@ def test_a_report_of_openai_batch_output(traced, tmp_path):
     found = digest(out, OutputPaths.of(str(out)).errors, views=10, seed=0)
     bodies = [orjson.loads(line)["response"]["body"] for line in lines(out)]
     assert found.records == found.samples == 5 and sum(found.errors.values()) == 7  # "row-7" is no duplicate here
-    assert found.completion_tokens == sum(b["usage"]["completion_tokens"] for b in bodies)
+    assert found.totals.completion_tokens == sum(b["usage"]["completion_tokens"] for b in bodies)
     shown = {row["id"]: "".join(text for _, text in row["samples"][0]["pieces"]) for _, row in found.sampled}
     assert shown == {orjson.loads(line)["custom_id"]: b["choices"][0]["text"] for line, b in zip(lines(out), bodies)}
 

@@ -97,7 +97,7 @@ def test_several_drafts_caches_hold_each_rows_accepted_prefix(tiny_pair, family,
         decoder.step()
         for drafter, model in zip(decoder.drafter.drafters, [pair.draft, other]):
             assert_caches_hold_accepted_prefixes(decoder, pair, prompts, drafter, model)
-    branches = [sum(c) for c in zip(*(t.branches for t in decoder.tallies))]
+    branches = [sum(c) for c in zip(*(t.stats.tree_branch_histogram for t in decoder.tallies))]
     assert all(branches)  # each draft's chain won somewhere
 
 
@@ -131,10 +131,10 @@ def test_hybrid_draft_cache_holds_each_rows_accepted_prefix(tiny_pair, family, k
     sat_out = []
     verified = decoder.drafter.model.verified
 
-    def noted(proposal, last, n, max_n, appended):
-        if proposal.width and not proposal.forwards:
-            sat_out.append(max_n)
-        verified(proposal, last, n, max_n, appended)
+    def noted(report):
+        if report.proposal.width and not report.proposal.forwards:
+            sat_out.append(max(report.accepted))
+        verified(report)
 
     decoder.drafter.model.verified = noted
     while not decoder.done:

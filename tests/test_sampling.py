@@ -17,10 +17,11 @@ import batchspec.decoding.processors as processors
 import batchspec.decoding.sampling as sampling
 from batchspec.decoding import DecodeConfig, RowOptions, SamplingParams, decode_batch
 from batchspec.decoding.engine import BatchDecoder
+from batchspec.decoding.suffix_index import SuffixIndex
 from batchspec.models import load_pair
 from batchspec.tiny import perturbed
 
-from policies import Idling, Scripted
+from policies import Scripted
 
 VOCAB, SAMPLES, NEW_TOKENS, ALPHA = 12, 6000, 4, 1e-3
 PROMPT = [1, 5, 7, 2, 9, 5, 7]  # "5 7" recurs: n-gram lookup proposes "2 9 5 7" at once
@@ -73,6 +74,18 @@ def models():
     return target, draft
 
 
+def earlier_samples(target, params, count: int = 64) -> SuffixIndex:
+    """A suffix index of the target's own samples for PROMPT, drawn apart from those the test compares."""
+    torch.manual_seed(7)
+    ids = torch.tensor([PROMPT] * count)
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=params.temperature,
+                          top_k=params.top_k or None, top_p=params.top_p, max_new_tokens=NEW_TOKENS, pad_token_id=0)
+    index = SuffixIndex()
+    for row in out[:, len(PROMPT) :].tolist():
+        index.add(row)
+    return index
+
+
 @pytest.fixture(scope="module")
 def target_samples(models):
     """The target's own sampling, SAMPLES times, per setting."""
@@ -90,23 +103,26 @@ def target_samples(models):
     return samples
 
 
-def our_samples(target, draft, params, gamma=3, seed=0, policy=None, ngram=None):
-    config = DecodeConfig(max_new_tokens=NEW_TOKENS, sampling=params, gamma=gamma, seed=seed, ngram=ngram)
+def our_samples(target, draft, params, gamma=3, seed=0, policy=None, ngram=None, suffix=None):
+    config = DecodeConfig(max_new_tokens=NEW_TOKENS, sampling=params, gamma=gamma, seed=seed, ngram=ngram,
+                          suffix=suffix)
     out = decode_batch(target, draft, [PROMPT] * SAMPLES, list(range(SAMPLES)), config, policy=policy)
     return out, [r.token_ids for r in out.rows]
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("mode", ["spec", "ar", "switching", "ngram", "hybrid"])
+@pytest.mark.parametrize("mode", ["spec", "ar", "switching", "ngram", "hybrid", "suffix"])
 def test_sampling_matches_target(models, target_samples, setting, mode):
     """switching: plain and speculative steps alternate inside each completion (gammas 0, 2, 0, 1).
     ngram: deterministic proposals (one-hot q), and rows without a match beside them; hybrid:
-    one-hot q for looked-up rows, the draft's q for the others, in one batch."""
+    one-hot q for looked-up rows, the draft's q for the others, in one batch; suffix: the same
+    from an index of earlier completions (other samples of the target's, drawn apart)."""
     target, draft = models
     policy = Scripted([0, 2, 0, 1], gamma_max=3) if mode == "switching" else None
-    draft = None if mode in ("ar", "ngram") else draft
+    draft = None if mode in ("ar", "ngram", "suffix") else draft
+    suffix = earlier_samples(target, SETTINGS[setting]) if mode == "suffix" else None
     out, ours = our_samples(target, draft, SETTINGS[setting], policy=policy,
-                            ngram=LOOKUP if mode in ("ngram", "hybrid") else None)
+                            ngram=LOOKUP if mode in ("ngram", "hybrid", "suffix") else None, suffix=suffix)
     if mode != "ar":  # proposals accepted and (far more with n-gram lookup) rejected: both paths run a lot
         rates = [r.stats["acceptance_rate"] for r in out.rows if r.stats["draft_tokens"]]
         assert 0.02 < sum(rates) / len(rates) < 0.9
@@ -203,15 +219,14 @@ def test_row_output_does_not_depend_on_batch_mates(tiny_pair, gamma):
     prompts = {"a": [5, 6, 7], "b": [9] * 40, "c": [11, 12], "d": list(range(20, 90))}
     config = DecodeConfig(max_new_tokens=24, sampling=SamplingParams(temperature=1.0), gamma=gamma or 1, seed=42)
 
-    def run(ids, limits=None, policy=None):
+    def run(ids, limits=None):
         options = limits and [RowOptions(max_new_tokens=k) for k in limits]
-        out = decode_batch(pair.target, draft, [prompts[i] for i in ids], ids, config, options, policy)
+        out = decode_batch(pair.target, draft, [prompts[i] for i in ids], ids, config, options)
         return {i: r.token_ids for i, r in zip(ids, out.rows)}
 
     together = run(["a", "b", "c", "d"])
-    limits = [24, 6, 15, 9]  # rows end at different steps, then stay in the batch, inert
-    idled = run(["a", "b", "c", "d"], limits, Idling([gamma or 0], 8))
-    assert idled == {k: together[k][:limit] for k, limit in zip(together, limits)}
+    limits = [24, 6, 15, 9]  # rows end at different steps and leave the batch
+    assert run(["a", "b", "c", "d"], limits) == {k: together[k][:limit] for k, limit in zip(together, limits)}
     assert run(["d", "c"]) == {k: together[k] for k in ("d", "c")}
     assert run(["b"]) == {"b": together["b"]}
     other_seed = decode_batch(pair.target, draft, [prompts["b"]], ["b"], DecodeConfig(

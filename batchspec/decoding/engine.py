@@ -4,32 +4,25 @@ Autoregressive decoding is the same loop with no drafter: every step is a plain 
 the target scores one position and the "bonus" token is simply the next token. Both strategies
 therefore share the cache, positions, randomness and stopping rules.
 
-Each step, for the B rows of the batch (live ones, and rows that ended kept inert: see 7):
-  1. choose:  the policy picks gamma for this step (fixed, or auto: 0..gamma_max).
-  2. propose: the drafter proposes up to gamma tokens per row, d_1..d_G (G: the most any row
-              proposes; a row proposing fewer pads its slots, which are never accepted).
-  3. verify:  the target scores [last, d_1..d_G] in ONE forward: logits [B, G+1, V], processed
-              (penalties, bias, min_tokens, a grammar's mask) at each position as if the
-              proposals before it had been emitted; the draft's q is processed alike. A tree
-              of proposals (tree.py) is scored in one forward too, and comes back as each
-              row's accepted path: from there on the step reads as for a chain.
-  4. accept:  each row keeps n of its proposals plus one correction or bonus token.
-  5. emit:    stop inside the kept block at an EOS or stop id, at max_new_tokens, or (on the
-              host) where a stop string completes.
-  6. rollback: the target cache is cut to the longest kept row, shorter rows get holes in the
-              mask; the drafter cuts its own state.
-  7. evict:   finished rows leave the batch and the caches; compact when holes pile up. Where
-              the policy has timed the batch's steps with more rows as faster (CPU matrix
-              kernels can run 7 rows slower than 8), rows that ended stay in it, inert: they
-              accept nothing, add no token and count in no statistic, only in the step's shape.
+Each step, over the B live rows of the batch:
+  1. plan:     the gamma policy picks gamma (0: a plain step) and whether a tree, on a PlanView.
+  2. propose:  the drafter proposes up to gamma tokens per row, d_1..d_G (G: the most any row
+               proposes; a row proposing fewer pads its slots, which are never accepted).
+  3. verify:   the target scores [last, d_1..d_G] in ONE forward: logits [B, G+1, V], processed
+               (penalties, bias, min_tokens, a grammar's mask) at each position as if the
+               proposals before it had been emitted; the draft's q is processed alike. Each row
+               keeps n of its proposals plus one correction or bonus token. A tree of proposals
+               (tree.py) comes back as each row's accepted path: from there on it reads as a chain.
+  4. emit:     the kept block is cut at an EOS or stop id, or at max_new_tokens; the step's one
+               host sync reads the outcome into a StepReport, and stop strings (stopping.py) and
+               grammars (grammar.py) end rows on the host.
+  5. record:   the rows' tallies, the policy and the drafter each take the report.
+  6. rollback: the target cache is cut to the longest kept row, shorter rows get holes in the mask.
+  7. evict:    finished rows leave the batch and the caches; compact when holes pile up.
 
 The first step is the prefill's: a plain step whose forward is the one over the prompts (the
 target then holds them whole), so N tokens decoded plainly cost N target forwards, as in generate.
-
-The step reads the device once (one host sync): accepted lengths, the emitted tokens, which rows
-finished, and what the policy and the caches need. Each row's tokens and statistics are kept on
-the host from there (Tally), so a finished row leaves without another read. Rows with a grammar
-add reads: its matchers run on the host, so each draft proposal and the verified block are read
+Rows with a grammar add reads: its matchers run on the host, so each draft proposal is read
 before the next position's mask.
 """
 
@@ -44,11 +37,14 @@ from batchspec.decoding.drafters.proposal import on_device
 from batchspec.decoding.grammar import GrammarRows
 from batchspec.decoding.kv_cache import BatchKV, padded
 from batchspec.decoding.options import RowOptions
-from batchspec.decoding.policy import Expected, GammaPolicy, expected_tokens, row_alphas, row_seen
+from batchspec.decoding.policy import GammaPolicy
 from batchspec.decoding.processors import Processors
+from batchspec.decoding.row_stats import RowStats
 from batchspec.decoding.sampling import SamplingParams, accept_greedy, accept_sampled, probabilities
 from batchspec.decoding.seq2seq import decoder_prefix, model_cache
-from batchspec.decoding.stopping import StopStrings
+from batchspec.decoding.step_report import PlanView, StepReport
+from batchspec.decoding.stopping import StopRows
+from batchspec.decoding.suffix_index import SuffixIndex
 from batchspec.decoding.tree import accept_tree_greedy, tree_ancestors
 
 DRAFT, ACCEPT, NEXT = 0, 1, 2  # uniform streams: draft draws, accept tests, correction/bonus draws
@@ -62,6 +58,8 @@ class DecodeConfig:
     gamma: int | None = None  # draft proposals per step; None: auto (0..gamma_max, chosen each step)
     gamma_max: int = 8  # the most proposals auto may choose
     ngram: tuple[int, int] | None = None  # (n_min, n_max): prompt lookup drafting (with a draft model: hybrid)
+    suffix: SuffixIndex | None = None  # with ngram: the run's index of earlier completions, drafting beside each
+    # row's own text (drafters/suffix.py) in place of n-gram lookup; shared by every batch that holds it
     tree_width: int = 1  # > 1: the draft model proposes trees this wide (greedy batches without a grammar)
     seed: int = 0
     compact_at: float = 0.3  # compact the caches when this fraction of slots are pads or holes
@@ -83,6 +81,8 @@ class DecodeConfig:
             raise ValueError(f"tree_width must be >= 1, got {self.tree_width}")
         if self.tree_width > 1 and self.ngram is not None:
             raise ValueError("a tree is drafted by the draft model alone: no n-gram lookup beside it")
+        if self.suffix is not None and self.ngram is None:
+            raise ValueError("the suffix drafter looks a row's own text up with the ngram sizes: give ngram too")
 
     def policy(self, trees: bool | None = None) -> GammaPolicy:
         """A fresh gamma policy for these settings (a job shares one across its batches); trees:
@@ -94,11 +94,12 @@ class DecodeConfig:
 @dataclass
 class RowOutput:
     token_ids: list[int]
-    finish_reason: str  # "stop" (an EOS or stop id, or a stop string) or "length" (max_new_tokens)
+    finish_reason: str  # "stop" (an EOS or stop id, or a stop string), "length" (max_new_tokens) or "error"
     stats: dict
     text_end: int | None = None  # a stop string ended the row: its text is decode(token_ids)[:text_end]
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None  # per token: its logprob, top (id, logprob)
     trace: dict | None = None  # per step: proposals and how many were accepted; when the row finished
+    error: str | None = None  # why the row could not be decoded to its end (finish_reason "error"), else None
 
 
 @dataclass
@@ -135,96 +136,39 @@ class Rows:
 
 @dataclass
 class Tally:
-    """One live row's tokens and statistics, on the host, filled from each step's sync."""
+    """One live row's tokens, statistics and trace on the host, filled from each step's report."""
 
     index: int  # position of the row in the caller's prompt list
-    gamma_max: int
-    tree_width: int  # a tree's nodes per depth (its width, or the number of drafts); 1: chains only
     limit: int  # the row's max_new_tokens
-    stop: StopStrings | None = None  # the row's stop strings
+    stats: RowStats
     top_logprobs: int | None = None  # None: no logprobs; k: keep each token's and the top k
     tokens: list[int] = field(default_factory=list)
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
-    text_end: int | None = None  # where a stop string cut the text
-    target_forwards: int = 0
-    draft_forwards: int = 0
-    speculative_steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    histogram: list[int] = field(init=False)  # accepted lengths 0..gamma_max (speculative steps)
-    gammas: list[int] = field(init=False)  # steps per number of proposals 0..gamma_max (0: plain steps)
-    sources: dict[str, int] = field(default_factory=lambda: {"model": 0, "ngram": 0, "jump": 0})  # steps each proposed
     proposed_steps: list[int] = field(default_factory=list)  # per step: proposals (0: a plain step)
     accepted_steps: list[int] = field(default_factory=list)  # per step: proposals accepted
-    seen: tuple[float, float, float] = (0.0, 0.0, 0.0)  # decayed accepted, checked, squares: its alpha (row_seen)
-    tree_steps: int = 0  # speculative steps whose proposal was a tree
-    tree_nodes: int = 0  # the trees' nodes, summed
-    branches: list[int] = field(init=False)  # tree steps per rank in its depth of the accepted path's end
-
-    def __post_init__(self):
-        self.histogram, self.gammas = [0] * (self.gamma_max + 1), [0] * (self.gamma_max + 1)
-        self.branches = [0] * self.tree_width
 
     @property
-    def checked(self) -> int:
-        """Its proposals checked over its completion: in each step, up to the first rejection."""
-        return sum(min(n + 1, k) for n, k in zip(self.accepted_steps, self.proposed_steps))
+    def remaining(self) -> int:
+        return self.limit - len(self.tokens)
 
-    def cut_at_stop(self, tokens: list[int]) -> list[int]:
-        """The tokens up to the one that completes a stop string (all of them when none does)."""
-        for k, token in enumerate(tokens):
-            self.text_end = self.stop.add(token)
-            if self.text_end is not None:
-                return tokens[: k + 1]
-        return tokens
-
-    def add_step(self, proposed: int, source: str | None, n: int, draft_forwards: int, tokens: list[int],
-                 logprobs: list, tree: tuple[int, int] | None = None) -> None:
-        """A step in which the row had `proposed` proposals from `source` (a tree's: its depth),
-        accepted n and gained `tokens` (a block cut short keeps only the accepted proposals in
-        it), with their logprobs; the draft model ran draft_forwards times. tree: (its nodes, the
-        rank in its depth of the accepted path's deepest node: its beam rank, or its draft among
-        several) when the proposal was a tree."""
-        if tree:
-            self.tree_steps += 1
-            self.tree_nodes += tree[0]
-            self.branches[tree[1]] += n > 0
-        n = min(n, len(tokens))
-        self.tokens += tokens
-        self.logprobs += logprobs
-        self.target_forwards += 1
-        self.draft_forwards += draft_forwards
-        self.gammas[proposed] += 1
+    def add(self, report: StepReport, b: int) -> None:
+        """Row b of the step's report: its block (cut short, it keeps only the accepted
+        proposals in it), logprobs and statistics."""
+        block, proposed, accepted = report.blocks[b], report.proposed[b], report.kept[b]
+        self.tokens += block
+        self.logprobs += report.logprobs[b]
         self.proposed_steps.append(proposed)
-        self.accepted_steps.append(n)
-        if proposed:
-            self.sources[source] += 1
-            self.speculative_steps += 1
-            self.drafted += proposed
-            self.accepted += n
-            self.histogram[n] += 1
+        self.accepted_steps.append(accepted)
+        tree = (report.nodes, report.ranks[b]) if report.tree else None
+        self.stats.add_step(len(block), proposed, report.sources[b], accepted, report.draft_forwards, tree)
 
-    def output(self, prompt_tokens: int, stopped: bool, speculative: bool) -> RowOutput:
-        stats = {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": len(self.tokens),
-            "draft_tokens": self.drafted,
-            "accepted_tokens": self.accepted,
-            "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
-            "target_forwards": self.target_forwards,
-            "draft_forwards": self.draft_forwards,
-            "mean_accepted_length": self.accepted / self.speculative_steps if self.speculative_steps else None,
-            "accepted_length_histogram": self.histogram if speculative else [],
-            "gamma_histogram": self.gammas if speculative else [],
-            "model_steps": self.sources["model"],
-            "ngram_steps": self.sources["ngram"],
-            "jump_steps": self.sources["jump"],
-            **({"tree_steps": self.tree_steps, "tree_nodes": self.tree_nodes, "tree_branch_histogram": self.branches}
-               if self.tree_width > 1 else {}),
-        }
+    def output(self, report: StepReport, b: int, speculative: bool, trees: bool) -> RowOutput:
+        """The row as it ended in row b of the step's report."""
+        error = report.errors[b]
+        reason = "error" if error else "stop" if report.stopped[b] else "length"
         trace = {"proposed": self.proposed_steps, "accepted": self.accepted_steps, "finished_at": time.time()}
-        return RowOutput(self.tokens, "stop" if stopped else "length", stats, self.text_end,
-                         self.logprobs if self.top_logprobs is not None else None, trace)
+        return RowOutput(self.tokens, reason, self.stats.record(speculative, trees), report.text_ends[b],
+                         self.logprobs if self.top_logprobs is not None else None, trace, error)
 
 
 def stop_table(stop_ids: list[list[int]]) -> torch.Tensor:
@@ -272,16 +216,15 @@ def prefill(target, ids: torch.Tensor, mask: torch.Tensor | None, prompts: list[
     return kv, logits
 
 
-def verify(target_kv: BatchKV, rows: Rows, proposal: Proposal, lengths: torch.Tensor | None, params: SamplingParams,
-           processors: Processors, logprobs: bool, known: torch.Tensor | None = None):
-    """The target scores [last, d_1..d_G] in one forward. lengths: [B] proposals per row (None:
-    all G); known: the logits [B, 1, V] after `last` when they are known (the prefill's, for a
-    first plain step: no forward). Returns n [B], next_token [B], when asked the raw log-softmax
-    [B, G+1, V] of the target's logits (before any processing or warping), and the proposal as
-    checked (a tree's: each row's accepted path)."""
+def verify(target_kv: BatchKV, rows: Rows, proposal: Proposal, params: SamplingParams, processors: Processors,
+           logprobs: bool, known: torch.Tensor | None = None):
+    """The target scores [last, d_1..d_G] in one forward. known: the logits [B, 1, V] after `last`
+    when they are known (the prefill's, for a first plain step: no forward). Returns n [B],
+    next_token [B], when asked the raw log-softmax [B, G+1, V] of the target's logits (before any
+    processing or warping), and the proposal as checked (a tree's: each row's accepted path)."""
     if proposal.parents is not None:
         return verify_tree(target_kv, rows, proposal, processors, logprobs)
-    draft_tokens, gamma = proposal.tokens, proposal.width
+    draft_tokens, gamma, lengths = proposal.tokens, proposal.width, proposal.short_lengths()  # lengths [B] | None
     inputs = torch.cat([rows.last[:, None], draft_tokens], dim=1)  # [B, G+1]
     logits = target_kv.forward(inputs) if known is None else known  # [B, G+1, V]
     raw = torch.log_softmax(logits.float(), dim=-1) if logprobs else None
@@ -326,7 +269,7 @@ def logprob_entries(values: list[float], count: int, k: int, top: int) -> list[t
     return [(s[0], [(int(s[1 + top + i]), s[1 + i]) for i in range(k)]) for s in slots]
 
 
-def emit(rows: Rows, draft_tokens, n, next_token):
+def kept_blocks(rows: Rows, draft_tokens, n, next_token):
     """The block each row appends: d_1..d_n, next_token, cut at the first of its stop ids (EOS) or
     at the row's limit.
 
@@ -363,6 +306,12 @@ def drafts_problem(target, drafts: list, config: DecodeConfig) -> str | None:
     if len(drafts) > 1 and (config.tree_width > 1 or config.ngram is not None):
         return "several draft models propose one chain each: no tree width or n-gram lookup beside them"
     return tree_problem([target, *drafts]) if config.tree_width > 1 or len(drafts) > 1 else None
+
+
+def read(*tensors: torch.Tensor) -> list[list[float]]:
+    """The step's one host sync: the tensors, flattened, in one read from the device."""
+    host = torch.cat([t.double().flatten() for t in tensors]).tolist()
+    return split(host, [t.numel() for t in tensors])
 
 
 def split(values: list, sizes: list[int]) -> list[list]:
@@ -422,7 +371,7 @@ class BatchDecoder:
         self.jump = JumpDrafter(self.grammar, device) if self.grammar and config.jump_forward and speculates else None
         self.trees = width > 1 and config.sampling.greedy and self.grammar is None  # else the first draft's chains
         self.drafter = make_drafter(drafts if self.trees else drafts[:1], config.ngram, prompts, ids, mask, vocab,
-                                    source, self.jump, config.tree_width if self.trees else 1)
+                                    source, self.jump, config.tree_width if self.trees else 1, config.suffix)
         gamma_max = self.policy.gamma_max if self.drafter else 0
         limits = [o.max_new_tokens or config.max_new_tokens for o in options]
         seeds = [config.seed if o.seed is None else o.seed for o in options]
@@ -432,185 +381,142 @@ class BatchDecoder:
         self.processors = Processors(options, decoder_prompts, self.rows.stop_ids, vocab, device,
                                      forced_tokens(config, limits, gamma_max, device), self.grammar)
         self.top_logprobs = max((o.logprobs for o in options if o.logprobs is not None), default=None)
-        stops = [StopStrings(o.stop, tokenizer, o.include_stop_str) if o.stop else None for o in options]
-        self.tallies: list[Tally | None] = [Tally(b, gamma_max, width, limit, stop, o.logprobs) for b, (o, limit, stop)
-                                            in enumerate(zip(options, limits, stops))]  # the batch's rows (None: inert)
-        for tally in self.tallies:  # an encoder–decoder's encoding is a forward (the prefill is the first step's)
-            tally.target_forwards = int(source is not None)
-        self.idles = getattr(self.drafter, "idle_rows", self.drafter is None) and self.grammar is None  # rows may idle
-        self.context = min((c for m in [target, *drafts] if (c := getattr(m.config, "max_position_embeddings", None))),
-                           default=None)  # positions the models know
+        self.stops = StopRows([o.stop for o in options], tokenizer, [o.include_stop_str for o in options])
+        self.trees_counted = width > 1  # the rows' statistics count tree steps
+        self.tallies = [Tally(b, limit, row_stats(len(prompt), gamma_max, width, source is not None), o.logprobs)
+                        for b, (o, limit, prompt) in enumerate(zip(options, limits, prompts))]  # the live rows
         self.last_rows = None  # the rows of the last step: a step over as many is timed
-        self.expected: Expected | None = None  # what the live rows should yield per gamma (auto)
-        self.left = sum(limits)  # tokens the live rows may still generate (auto: kept by expected_tokens)
         self.results: list[RowOutput | None] = [None] * len(prompts)
         self.totals = {"slots": 0, "empty_slots": 0, "verify_steps": 0, "compactions": 0}
         self.padding_fraction = 1.0 - float(mask.float().mean())
 
     @property
     def done(self) -> bool:
-        return not any(self.tallies)
+        return not self.tallies
+
+    def remaining(self) -> list[int]:
+        """Per live row: the tokens it may still generate."""
+        return [tally.remaining for tally in self.tallies]
 
     @torch.inference_mode()
     def step(self) -> None:
-        """One choose/propose/verify/accept/emit/rollback/evict round over the live rows."""
+        """One plan/propose/verify/emit/record/rollback/evict round over the live rows."""
         started = time.perf_counter()
-        rows, params, drafter, target_kv = self.rows, self.config.sampling, self.drafter, self.target_kv
-        B = len(self.tallies)  # live rows and inert ones
-        known, self.first_logits = self.first_logits, None  # the prefill's: the first step is plain
-        behind = drafter.behind if drafter else 0
-        context = target_kv.length  # the slots the step's queries attend over, less its own
-        chosen = self.policy.choose(B, self.expected, behind, self.left, context) if drafter and known is None else 0
-        if chosen and self.trees and self.policy.tree:
-            proposal = drafter.propose_tree(rows.last, chosen)
-        elif chosen:
-            u = None if params.greedy else rows.uniform(DRAFT, chosen)  # [B, gamma]
-            process = self.process_draft if self.processors.active else None
-            proposal = drafter.propose(rows.last, chosen, params, u, process)
-        elif self.jump and known is None:  # a plain step, but what the grammars force costs no draft forward
-            proposal = self.jump.propose(rows.last, self.policy.gamma_max, params, None)
-        else:
-            proposal = Proposal.none(rows.last)
-        lengths, top = proposal.short_lengths(), self.top_logprobs
-        n, next_token, raw, proposal = verify(target_kv, rows, proposal, lengths, params, self.processors,
-                                              top is not None, known)
-        if None in self.tallies:  # inert rows (produced == limit) accept nothing: they add one slot a step
-            n = torch.where(rows.produced < rows.limit, n, 0)
-        gamma, draft_tokens = proposal.width, proposal.tokens
-        won = proposal.path.gather(1, n[:, None]) if proposal.path is not None else n[:0]  # [B, 1]: a tree's node
-        slots, empty_slots = target_kv.mask.numel(), (target_kv.mask == 0).sum()
-        longest_row = (target_kv.mask.sum(-1) - (gamma - n)).max()  # valid slots after the rollback
-        new, count, finished, stopped = emit(rows, draft_tokens, n, next_token)
+        known, self.first_logits = self.first_logits, None  # the prefill's logits: the first step is plain
+        behind = self.drafter.behind if self.drafter else 0
+        gamma, tree = self.plan() if known is None else (0, False)
+        proposal = self.propose(gamma, tree, first=known is not None)
+        n, next_token, raw, proposal = verify(self.target_kv, self.rows, proposal, self.config.sampling,
+                                              self.processors, self.top_logprobs is not None, known)
+        report = self.emit(proposal, n, next_token, raw, gamma, behind, started)
+        self.record(report)
+        self.rollback(report)
+        self.evict(report)
+
+    def plan(self) -> tuple[int, bool]:
+        """The policy's gamma and whether a tree, for the live rows (a plain step without a drafter)."""
+        if self.drafter is None:
+            return 0, False
+        gamma, tree = self.policy.plan(PlanView(self.remaining(), self.drafter.behind, self.trees))
+        return gamma, tree and self.trees
+
+    def propose(self, gamma: int, tree: bool, first: bool) -> Proposal:
+        """The drafter's proposal of gamma tokens per row (a tree's: of that depth); for a plain
+        step, what the rows' grammars force (jump-forward: no draft forward), or nothing."""
+        rows, params = self.rows, self.config.sampling
+        if tree:
+            return self.drafter.propose_tree(rows.last, gamma)
+        if gamma:
+            u = None if params.greedy else rows.uniform(DRAFT, gamma)  # [B, gamma]
+            return self.drafter.propose(rows.last, gamma, params, u, self.process_draft if self.processors.active
+                                        else None)
+        if self.jump and not first:
+            return self.jump.propose(rows.last, self.policy.gamma_max, params, None)
+        return Proposal.none(rows.last)
+
+    def emit(self, proposal: Proposal, n: torch.Tensor, next_token: torch.Tensor, raw: torch.Tensor | None,
+             planned: int, behind: int, started: float) -> StepReport:
+        """Append each row's kept block (n [B] proposals accepted, then next_token [B]; raw: the
+        target's log-softmax [B, G+1, V] when logprobs are asked), read the step's outcome in its
+        one host sync, and end the rows that stop strings complete or whose grammar fails."""
+        rows, kv, gamma, top = self.rows, self.target_kv, proposal.width, self.top_logprobs
+        slots, empty_slots = kv.mask.numel(), (kv.mask == 0).sum()
+        longest = (kv.mask.sum(-1) - (gamma - n)).max()  # valid slots after the rollback
+        new, count, finished, stopped = kept_blocks(rows, proposal.tokens, n, next_token)  # new [B, G+1]
         self.processors.emitted(new, count)
-        logprobs = token_logprobs(raw, new, top) if raw is not None else n[:0]  # [B, G+1, 1 + 2 top]
-        # the step's one host sync: the rows' new tokens and what the rollback, the eviction, the
-        # compaction and the policy need
-        sync = (n, count, finished, stopped, new.flatten(), torch.stack([empty_slots, longest_row]), logprobs.flatten(),
-                won.flatten())
-        host = split(torch.cat([t.double() for t in sync]).tolist(), [t.numel() for t in sync])
-        n_host, count_host, finished_host, stopped_host, new_host, (empty_host, longest_host), lp_host, won_host = host
-        self.totals["slots"] += slots
-        self.totals["empty_slots"] += int(empty_host)
-        self.totals["verify_steps"] += 1
-        blocks = [[int(t) for t in block[: int(k)]] for block, k in zip(split(new_host, [gamma + 1] * B), count_host)]
-        row_logprobs = split(lp_host, [len(lp_host) // B] * B) if top is not None else [[]] * B
-        for b, tally in enumerate(self.tallies):
-            if tally is None:  # inert: its block is empty
-                continue
-            if tally.stop:  # a stop string may complete before the block's EOS or limit too
-                blocks[b] = tally.cut_at_stop(blocks[b])
-                if tally.text_end is not None:
-                    finished_host[b] = stopped_host[b] = True
-            k = tally.top_logprobs
-            entries = logprob_entries(row_logprobs[b], len(blocks[b]), k, top) if k is not None else []
-            tree = (proposal.nodes, int(won_host[b] - 1) % (proposal.nodes // gamma)) if won_host else None
-            tally.add_step(proposal.lengths[b], proposal.sources[b], int(n_host[b]), proposal.forwards, blocks[b],
-                           entries, tree)
-        if self.grammar:
-            self.grammar.advance(blocks)
-        tree = proposal.path is not None
-        # a row that proposed nothing in a speculative step that verified proposals (a lookup
-        # without a match beside rows with one) yielded one token at the step's width, as a row
-        # whose first proposal was rejected: so its alpha, and the run's, count it (a step where
-        # no row proposed is a plain step, and a plain step's jump-forward no choice: neither
-        # tells anything)
-        offered = [k or int(chosen > 0 and gamma > 0) for k in proposal.lengths]  # [B] host
-        if drafter and self.policy.auto:
-            self.expected = self.expected_tokens(n_host, [0] * B if tree else offered, finished_host)
-        max_n = int(max(n_host))
-        checked_host = sum(min(k + 1, proposed) for k, proposed, tally in zip(n_host, offered, self.tallies) if tally)
-        # untimed: the prefill's step, and the first over a batch of new shape (fresh buffers: up to 30 % slower)
-        seconds = time.perf_counter() - started if B == self.last_rows else None
-        self.last_rows = B
-        if chosen or not gamma:  # a plain step's jump-forward tells the policy nothing of its choices
-            self.policy.observe(B, gamma, int(sum(n_host)), int(checked_host), seconds, behind, tree, context)
-        if drafter:
-            if gamma:
-                target_kv.rollback(n + 1, gamma + 1, max_n + 1)
-            drafter.verified(proposal, rows.last, n, max_n, blocks)
         rows.last = next_token
-        ended = [bool(tally) and bool(done) for tally, done in zip(self.tallies, finished_host)]  # live rows that ended
-        if any(ended):
-            if any(t.stop for t in self.tallies if t):  # stop strings found on the host end rows too
-                finished = on_device(finished_host, finished.device, torch.bool)
-            self.evict(finished, ended, stopped_host, gamma)
-        if not self.done and target_kv.length - longest_host >= max(1, self.config.compact_at * target_kv.length):
-            target_kv.compact(int(longest_host))
-            if drafter:
-                drafter.compact(int(longest_host))
+        logprobs = token_logprobs(raw, new, top) if raw is not None else n[:0]  # [B, G+1, 1 + 2 top]
+        n_host, count, finished, stopped, new, (empty_slots, longest), logprobs, won = read(
+            n, count, finished, stopped, new, torch.stack([empty_slots, longest]), logprobs, proposal.won(n))
+        B = len(n_host)
+        blocks = [[int(t) for t in block[: int(k)]] for block, k in zip(split(new, [gamma + 1] * B), count)]
+        text_ends = self.stops.cut(blocks)  # a stop string may complete before the block's EOS or limit
+        errors = self.grammar.advance(blocks) if self.grammar else [None] * B
+        row_logprobs = split(logprobs, [len(logprobs) // B] * B) if top is not None else [[]] * B
+        seconds = time.perf_counter() - started if B == self.last_rows else None  # a new shape's first step: untimed
+        self.last_rows = B
+        return StepReport(
+            planned=planned, gamma=gamma, tree=proposal.path is not None, nodes=proposal.nodes,
+            proposed=proposal.lengths, sources=proposal.sources, accepted=[int(k) for k in n_host],
+            ranks=[proposal.rank(int(slot)) for slot in won], blocks=blocks,
+            logprobs=[logprob_entries(lp, len(block), t.top_logprobs, top) if t.top_logprobs is not None else []
+                      for lp, block, t in zip(row_logprobs, blocks, self.tallies)],
+            finished=[bool(f) or end is not None or e is not None for f, end, e in zip(finished, text_ends, errors)],
+            stopped=[bool(s) or end is not None for s, end in zip(stopped, text_ends)], text_ends=text_ends,
+            errors=errors, draft_forwards=proposal.forwards, behind=behind, longest=int(longest), slots=slots,
+            empty_slots=int(empty_slots), seconds=seconds, proposal=proposal, n=n)
+
+    def record(self, report: StepReport) -> None:
+        """The rows' tallies, the batch's totals, the policy and the drafter take the step's report."""
+        for b, tally in enumerate(self.tallies):
+            tally.add(report, b)
+        self.totals["slots"] += report.slots
+        self.totals["empty_slots"] += report.empty_slots
+        self.totals["verify_steps"] += 1
+        if self.drafter:
+            self.policy.record(report)
+            self.drafter.verified(report)
+
+    def rollback(self, report: StepReport) -> None:
+        """Cut the target cache to the longest kept row; shorter rows get holes."""
+        if report.gamma:
+            self.target_kv.rollback(report.n + 1, report.gamma + 1, max(report.accepted) + 1)
+
+    def evict(self, report: StepReport) -> None:
+        """Rows that ended go to the results and leave the batch and the caches; the caches are
+        compacted when pads and holes pile up."""
+        for b, tally in enumerate(self.tallies):
+            if report.finished[b]:
+                self.results[tally.index] = tally.output(report, b, self.drafter is not None, self.trees_counted)
+        live = [b for b, done in enumerate(report.finished) if not done]
+        if len(live) < len(self.tallies):
+            self.select(live)
+        kv = self.target_kv
+        if live and kv.length - report.longest >= max(1, self.config.compact_at * kv.length):
+            kv.compact(report.longest)
+            if self.drafter:
+                self.drafter.compact(report.longest)
             self.totals["compactions"] += 1
 
-    def process_draft(self, logits: torch.Tensor, proposals: torch.Tensor) -> torch.Tensor:
-        """The draft's next-token logits [B, V] after its proposals [B, i] of this step, processed
-        as the target's are at that position."""
-        return self.processors(logits[:, None], proposals, self.rows.produced, first=proposals.shape[1])[:, 0]
-
-    def expected_tokens(self, n: list[float], lengths: list[int], finished: list[float]) -> Expected:
-        """What the rows still live after this step are expected to yield per gamma with a
-        chain, each at its own alpha (updated with this step's n of `lengths` proposals, none
-        after a tree) and remaining limit, the rows priced alike spread by the run's spread of
-        alphas; on the host, from the step's sync. Also sets self.left, those remaining limits
-        summed, and tells the policy the proposals of each row that ended."""
-        seen, remaining = [], []
-        for tally, k, proposed, done in zip(self.tallies, n, lengths, finished):
-            if tally is None:  # inert
-                continue
-            tally.seen = row_seen(tally.seen, int(k) if proposed else 0, proposed)  # after a tree: the fading only
-            if done:
-                self.policy.row_ended(tally.accepted, tally.checked)
-            else:
-                seen.append(tally.seen)
-                remaining.append(tally.limit - len(tally.tokens))
-        self.left = sum(remaining)
-        alphas, spread = row_alphas(seen, self.policy.alpha, self.policy.spread)
-        return expected_tokens(alphas, remaining, self.policy.gamma_max, spread)
-
-    def evict(self, finished: torch.Tensor, ended: list[bool], stopped_host: list[float], gamma: int) -> None:
-        """Move the rows that ended this step (ended: host bools) into results, and out of the
-        batch and the caches, or keep them there, inert, where the policy has timed steps of
-        this gamma with more rows as faster. finished [B] bool: on the device, every row that is
-        not live (ended now, or inert)."""
-        for b, (tally, stopped) in enumerate(zip(self.tallies, stopped_host)):
-            if ended[b]:
-                prompt = self.prompts[tally.index]
-                self.results[tally.index] = tally.output(len(prompt), bool(stopped), self.drafter is not None)
-                self.tallies[b] = None
-        live = [b for b, tally in enumerate(self.tallies) if tally]
-        if not live:
-            return
-        size = self.policy.batch_rows(len(live), len(self.tallies), gamma) if self.may_idle() else len(live)
-        if size > len(live):  # rows that stay accept and add nothing from here on
-            self.rows.limit = torch.where(finished, self.rows.produced, self.rows.limit)
-        if size < len(self.tallies):
-            self.shrink(size, live, finished)
-        if size > len(live) and self.drafter:
-            self.drafter.idle([tally is None for tally in self.tallies])
-
-    def shrink(self, size: int, live: list[int], finished: torch.Tensor) -> None:
-        """Keep `size` rows of the batch: the live ones (host indices) and the first inert ones."""
-        idle = [b for b, tally in enumerate(self.tallies) if tally is None]
-        kept = sorted(live + idle[: size - len(live)])
+    def select(self, kept: list[int]) -> None:
+        """Keep the rows `kept` (host indices) of the batch, in every part that holds rows."""
         self.tallies = [self.tallies[b] for b in kept]
-        if size == len(live):
-            keep = torch.argsort(finished.to(torch.uint8), stable=True)[:size]  # the live rows, on the device
-        else:
-            keep = on_device(kept, finished.device)
+        if not kept:
+            return
+        keep = on_device(kept, self.rows.last.device)
         self.rows.select(keep)
         self.processors.select(keep)
+        self.stops.select(kept)
         if self.grammar:
             self.grammar.select(kept)
         self.target_kv.select(keep)
         if self.drafter:
             self.drafter.select(keep, kept)
 
-    def may_idle(self) -> bool:
-        """Whether rows that ended may stay in the batch, inert: not with trees (their drafters
-        would go on proposing for them) or grammars, and only while the positions they keep
-        taking, one a step, stay inside the models' context."""
-        if not self.idles:
-            return False
-        left = max(t.limit - len(t.tokens) for t in self.tallies if t)  # steps the batch may still take
-        return self.context is None or self.target_kv.length + left + self.policy.gamma_max + 1 <= self.context
+    def process_draft(self, logits: torch.Tensor, proposals: torch.Tensor) -> torch.Tensor:
+        """The draft's next-token logits [B, V] after its proposals [B, i] of this step, processed
+        as the target's are at that position."""
+        return self.processors(logits[:, None], proposals, self.rows.produced, first=proposals.shape[1])[:, 0]
 
     def run(self) -> BatchOutput:
         while not self.done:
@@ -628,6 +534,14 @@ class BatchDecoder:
             **totals,
         }
         return BatchOutput(self.results, stats)
+
+
+def row_stats(prompt_tokens: int, gamma_max: int, width: int, encoded: bool) -> RowStats:
+    """A row's statistics before its first step: histograms gamma_max + 1 wide (a tree's ranks:
+    its width); an encoder–decoder's encoding counts as a target forward."""
+    return RowStats(prompt_tokens=prompt_tokens, target_forwards=int(encoded),
+                    accepted_length_histogram=[0] * (gamma_max + 1), gamma_histogram=[0] * (gamma_max + 1),
+                    tree_branch_histogram=[0] * width * (width > 1))
 
 
 def decode_batch(target, draft, prompts: list[list[int]], row_ids: list, config: DecodeConfig,

@@ -131,6 +131,7 @@ class GrammarRows:
                  device: torch.device, skip_first: bool = False):
         engine = engine_tokenizer(tokenizer, vocab, tuple(eos_ids))
         self.matchers = [matcher(g, engine).deep_copy() if g is not None else None for g in grammars]
+        self.kinds = [g.kind.replace("_", " ") if g is not None else None for g in grammars]
         self.vocab, self.words, self.device = vocab, (max(vocab, len(tokenizer)) + 31) // 32, device
         self.eos, self.eos_ids = engine.eos_token, set(engine.eos_tokens)
         self.skip = [skip_first] * len(grammars)
@@ -168,12 +169,22 @@ class GrammarRows:
         """The tokens before the first EOS id (the matcher ends there: it consumes nothing after)."""
         return next((tokens[:k] for k, token in enumerate(tokens) if token in self.eos_ids), tokens)
 
-    def advance(self, blocks: list[list[int]]) -> None:
-        """Row b emitted blocks[b] (host ids)."""
+    def advance(self, blocks: list[list[int]]) -> list[str | None]:
+        """Row b emitted blocks[b] (host ids). Returns per row why its grammar cannot go on (the
+        engine's matcher is in its error state: the row ends there), else None."""
         for b, (m, block) in enumerate(zip(self.matchers, blocks)):
             if m is not None and block:
                 m.consume_tokens(self.before_eos(block[1:] if self.skip[b] else block))
             self.skip[b] = self.skip[b] and not block
+        return [self.error(b) for b in range(len(self.matchers))]
+
+    def error(self, b: int) -> str | None:
+        """Why row b's grammar cannot be enforced any further (None: it can)."""
+        m = self.matchers[b]
+        if m is None or not m.is_error():
+            return None
+        first = next(iter(m.get_error().strip().splitlines()), "") or "the grammar engine failed"
+        return f"the {self.kinds[b]} could not be enforced: {first}"
 
     def forced(self, b: int, gamma: int) -> list[int]:
         """Up to gamma tokens row b's grammar allows alone from here (jump-forward): the text it
@@ -185,4 +196,5 @@ class GrammarRows:
 
     def select(self, kept: list[int]) -> None:
         self.matchers = [self.matchers[b] for b in kept]
+        self.kinds = [self.kinds[b] for b in kept]
         self.skip = [self.skip[b] for b in kept]

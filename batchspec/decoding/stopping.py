@@ -57,3 +57,29 @@ class StopStrings:
             return None
         end, at, stop = min(found)  # the stop string completed first
         return start + (end if self.include else at)
+
+    def cut(self, tokens: list[int]) -> int | None:
+        """Read `tokens` one at a time; where one completes a stop string, drop the ones after it
+        (in place) and return where the text ends; None when none completes one."""
+        for k, token in enumerate(tokens):
+            end = self.add(token)
+            if end is not None:
+                del tokens[k + 1 :]
+                return end
+        return None
+
+
+class StopRows:
+    """The batch's rows' stop strings (stops[b]: row b's, () for none; include[b]: keep the stop
+    string in the text)."""
+
+    def __init__(self, stops: list[tuple[str, ...]], tokenizer, include: list[bool]):
+        self.rows = [StopStrings(s, tokenizer, keep) if s else None for s, keep in zip(stops, include)]
+
+    def cut(self, blocks: list[list[int]]) -> list[int | None]:
+        """Each row's new tokens (host ids), cut in place after a stop string completes; per row,
+        where its text then ends (None: it goes on)."""
+        return [stop.cut(block) if stop else None for stop, block in zip(self.rows, blocks)]
+
+    def select(self, kept: list[int]) -> None:
+        self.rows = [self.rows[b] for b in kept]

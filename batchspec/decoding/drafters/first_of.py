@@ -13,9 +13,9 @@ class FirstOf:
     def propose(self, last, gamma: int, params, u, process=None) -> Proposal:
         return looked_up(self.drafters, len(last), gamma, last.device)
 
-    def verified(self, proposal: Proposal, last, n, max_n: int, appended: list[list[int]]) -> None:
+    def verified(self, report) -> None:
         for drafter in self.drafters:
-            drafter.verified(proposal, last, n, max_n, appended)
+            drafter.verified(report)
 
     def select(self, keep, kept: list[int]) -> None:
         for drafter in self.drafters:

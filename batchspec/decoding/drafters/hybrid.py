@@ -19,8 +19,6 @@ class HybridDrafter:
     def __init__(self, model: ModelDrafter, lookup):
         """lookup: a host drafter (NgramDrafter, JumpDrafter, or FirstOf of them)."""
         self.model, self.lookup = model, lookup
-        self.idle_rows = getattr(lookup, "idle_rows", False)  # n-gram lookup's (a grammar's keeps no inert rows)
-        self.inert = [False] * len(model.newest)
 
     @property
     def behind(self) -> int:
@@ -28,7 +26,7 @@ class HybridDrafter:
 
     def propose(self, last: torch.Tensor, gamma: int, params, u, process=None) -> Proposal:
         looked = self.lookup.propose(last, gamma, params, u)
-        if all(k or inert for k, inert in zip(looked.lengths, self.inert)):  # every live row has a match
+        if all(looked.lengths):  # every row has a match
             return looked
         drafted = self.model.propose(last, gamma, params, u, process)
         matched = on_device([k > 0 for k in looked.lengths], last.device, torch.bool)[:, None]  # [B, 1]
@@ -41,19 +39,13 @@ class HybridDrafter:
         sources = [source or "model" for source in looked.sources]
         return Proposal(tokens, q, lengths, sources, drafted.forwards)
 
-    def verified(self, proposal: Proposal, last, n, max_n: int, appended: list[list[int]]) -> None:
-        self.lookup.verified(proposal, last, n, max_n, appended)
-        self.model.verified(proposal, last, n, max_n, appended)
-
-    def idle(self, inert: list[bool]) -> None:
-        """Inert rows take no lookup, and never make the model run."""
-        self.inert = inert
-        self.lookup.idle(inert)
+    def verified(self, report) -> None:
+        self.lookup.verified(report)
+        self.model.verified(report)
 
     def select(self, keep: torch.Tensor, kept: list[int]) -> None:
         self.lookup.select(keep, kept)
         self.model.select(keep, kept)
-        self.inert = [self.inert[b] for b in kept]
 
     def compact(self, longest: int) -> None:
         self.model.compact(longest)

@@ -20,7 +20,7 @@ class JumpDrafter:
     def propose(self, last, gamma: int, params, u, process=None) -> Proposal:
         return looked_up([self], len(last), gamma, self.device)
 
-    def verified(self, proposal, last, n, max_n: int, appended) -> None:
+    def verified(self, report) -> None:
         """The engine advances the grammar."""
 
     def select(self, keep, kept: list[int]) -> None:

@@ -27,8 +27,6 @@ def fit_width(logits: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 class ModelDrafter:
-    idle_rows = True  # rows that ended may stay in the batch, inert: proposing for them costs only their share
-
     def __init__(self, model, ids: torch.Tensor, mask: torch.Tensor, vocab: int, newest: list[int],
                  source: tuple[torch.Tensor, torch.Tensor] | None = None):
         """A draft that owes each prompt but its last token (the newest, which the prefill's plain
@@ -72,9 +70,11 @@ class ModelDrafter:
         q = torch.stack(qs, dim=1) if qs else None
         return Proposal(torch.stack(tokens, dim=1), q, [gamma] * B, ["model"] * B, forwards=gamma)
 
-    def verified(self, proposal: Proposal, last: torch.Tensor, n: torch.Tensor, max_n: int, appended) -> None:
-        """Cut the draft cache to each row's accepted prefix and note what it now owes."""
-        tokens, gamma = proposal.tokens, proposal.width
+    def verified(self, report) -> None:
+        """Cut the draft cache to each row's accepted prefix and note what it now owes (report:
+        the step's StepReport)."""
+        proposal, n, max_n = report.proposal, report.n, max(report.accepted)
+        tokens, gamma, appended = proposal.tokens, proposal.width, report.blocks
         newest = self.noted(appended)
         if not proposal.forwards:  # the draft sat out: it owes `last` and each row's accepted proposals
             for pending, last_token, block in zip(self.pending, newest, appended):
@@ -116,9 +116,6 @@ class ModelDrafter:
         """Add tokens [B, K] (mask [B, K]) to what the next forward must first feed."""
         self.owed = torch.cat([self.owed, tokens], dim=1)
         self.owed_mask = torch.cat([self.owed_mask, mask], dim=1)
-
-    def idle(self, inert: list[bool]) -> None:
-        """Inert rows are proposed for as any row: they cost only their share of the forwards."""
 
     def select(self, keep: torch.Tensor, kept: list[int]) -> None:
         self.kv.select(keep)

@@ -21,13 +21,11 @@ from batchspec.decoding.drafters.proposal import Proposal, looked_up
 class NgramDrafter:
     source = "ngram"
     behind = 0  # it reads every token as the step's sync brings it
-    idle_rows = True  # rows that ended may stay in the batch, inert: it proposes nothing for them
 
     def __init__(self, prompts: list[list[int]], n_min: int, n_max: int, device: torch.device):
         self.n_min, self.n_max, self.device = n_min, n_max, device
         self.contexts: list[list[int]] = [[] for _ in prompts]
         self.index: list[dict[tuple, int]] = [{} for _ in prompts]  # n-gram -> where its latest continuation starts
-        self.inert = [False] * len(prompts)
         for b, prompt in enumerate(prompts):
             self.add(b, prompt)
 
@@ -41,10 +39,7 @@ class NgramDrafter:
             context.append(token)
 
     def lookup(self, b: int, gamma: int) -> list[int]:
-        """Up to gamma tokens continuing row b's longest matched suffix ([] when none matches,
-        or the row is inert)."""
-        if self.inert[b]:
-            return []
+        """Up to gamma tokens continuing row b's longest matched suffix ([] when none matches)."""
         context, index = self.contexts[b], self.index[b]
         L = len(context)
         for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
@@ -56,17 +51,13 @@ class NgramDrafter:
     def propose(self, last, gamma: int, params, u, process=None) -> Proposal:
         return looked_up([self], len(self.contexts), gamma, self.device)
 
-    def verified(self, proposal, last, n, max_n: int, appended: list[list[int]]) -> None:
-        for b, tokens in enumerate(appended):
+    def verified(self, report) -> None:
+        for b, tokens in enumerate(report.blocks):
             self.add(b, tokens)
-
-    def idle(self, inert: list[bool]) -> None:
-        self.inert = inert
 
     def select(self, keep: torch.Tensor, kept: list[int]) -> None:
         self.contexts = [self.contexts[b] for b in kept]
         self.index = [self.index[b] for b in kept]
-        self.inert = [self.inert[b] for b in kept]
 
     def compact(self, longest: int) -> None:
         """No cache to compact."""

@@ -33,6 +33,15 @@ class Proposal:
     def width(self) -> int:
         return self.tokens.shape[1]
 
+    def won(self, n: torch.Tensor) -> torch.Tensor:
+        """[B]: the slot of each row's accepted path's end in a checked tree ([0] for a chain).
+        n: [B] the paths' lengths."""
+        return self.path.gather(1, n[:, None])[:, 0] if self.path is not None else n[:0]
+
+    def rank(self, slot: int) -> int:
+        """A tree slot's rank in its depth (the nodes lie depth by depth after the root)."""
+        return (slot - 1) % (self.nodes // self.width)
+
     def short_lengths(self) -> torch.Tensor | None:
         """lengths on the device ([B]), or None when every row proposes all G."""
         if all(k == self.width for k in self.lengths):

@@ -54,17 +54,19 @@ class SeveralDrafters:
         return Proposal(self.chains.flatten(1), None, [gamma] * B, ["model"] * B, forwards=gamma * K,
                         parents=merged_parents(self.chains), nodes=gamma * K)
 
-    def verified(self, proposal: Proposal, last: torch.Tensor, n: torch.Tensor, max_n: int, appended) -> None:
+    def verified(self, report) -> None:
+        proposal, n = report.proposal, report.n
         if proposal.path is None:  # a chain of the first draft (or a plain step): the others sat out
-            self.drafters[0].verified(proposal, last, n, max_n, appended)
+            self.drafters[0].verified(report)
+            sat_out = replace(report, proposal=replace(proposal, forwards=0))
             for drafter in self.drafters[1:]:
-                drafter.verified(replace(proposal, forwards=0), last, n, max_n, appended)
+                drafter.verified(sat_out)
             return
         path = proposal.tokens  # [B, G]: each row's accepted path (its first n)
         for k, drafter in enumerate(self.drafters):
-            drafter.noted(appended)
+            drafter.noted(report.blocks)
             common = (self.chains[:, :, k] == path).long().cumprod(-1).sum(-1).minimum(n)  # [B]
-            drafter.kept(path, n, common, max_n)
+            drafter.kept(path, n, common, max(report.accepted))
 
     def select(self, keep: torch.Tensor, kept: list[int]) -> None:
         for drafter in self.drafters:

@@ -33,8 +33,6 @@ def tree_problem(models: list) -> str | None:
 
 
 class TreeDrafter(ModelDrafter):
-    idle_rows = False  # rows that ended leave the batch (a tree's verification keeps no inert rows)
-
     def __init__(self, *args, width: int, **kwargs):
         super().__init__(*args, **kwargs)
         self.width = width
@@ -60,12 +58,13 @@ class TreeDrafter(ModelDrafter):
         return Proposal(torch.cat(tokens, dim=1), None, [gamma] * B, ["model"] * B, forwards=gamma,
                         parents=torch.cat(parents, dim=1), nodes=W * gamma)
 
-    def verified(self, proposal: Proposal, last: torch.Tensor, n: torch.Tensor, max_n: int, appended) -> None:
+    def verified(self, report) -> None:
         """After a tree: keep the accepted path's nodes the draft ran (depth < gamma); owe the
         deepest node when the whole depth was accepted."""
+        proposal, n = report.proposal, report.n
         if proposal.path is None:
-            return super().verified(proposal, last, n, max_n, appended)
-        self.noted(appended)
+            return super().verified(report)
+        self.noted(report.blocks)
         gamma = proposal.width
         self.kv.take_tree((proposal.path[:, 1:gamma] - 1).clamp(min=0))  # [B, gamma-1] its tree slots
-        self.kept(proposal.tokens, n, n, max_n, first=gamma - 1)  # as after its own chain: last, the path
+        self.kept(proposal.tokens, n, n, max(report.accepted), first=gamma - 1)  # as after its own chain
