@@ -22,7 +22,7 @@ from batchspec.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_ROW_ERRORS, StopSig
 from batchspec.models import load_tokenizer
 from batchspec.sink import OutputPaths, Sink, claim, locked, output_paths, write_atomic
 from batchspec.sources import Row, RowError, input_size, read_run_input
-from batchspec.stats import RunStats, progress_bar
+from batchspec.stats import RunStats, by_source, progress_bar
 
 
 def check_input(cfg: RunConfig) -> None:
@@ -156,9 +156,7 @@ def print_summary(summary: dict, paths: OutputPaths, interrupted: bool) -> None:
         f"  rows       {summary['rows_ok']} ok, {summary['rows_error']} errors, {summary['rows_skipped']} already done",
         f"  tokens     {summary['completion_tokens']} generated in {summary['seconds']:.1f}s "
         f"({summary['tokens_per_s']:.1f} tok/s)",
-        f"  acceptance {rate:.3f} (proposals: {summary['model_steps']} row-steps from the model, "
-        f"{summary['ngram_steps']} from n-gram lookup, {summary['suffix_steps']} from the suffix index, "
-        f"{summary['jump_steps']} jump-forward"
+        f"  acceptance {rate:.3f} ({by_source(summary)}"
         + (f"; {summary['tree_steps']} trees of {summary['tree_nodes'] / summary['tree_steps']:.1f} nodes"
            if summary["tree_steps"] else "") + ")" if rate is not None
         else "  acceptance n/a (no proposals)",

@@ -15,6 +15,7 @@ import jinja2
 from batchspec.bench_files import pyplot
 from batchspec.errors import UsageError
 from batchspec.sink import OutputPaths, foreign, read_records, read_summary
+from batchspec.stats import by_source
 from batchspec.decoding.row_stats import RowStats
 
 ACCEPTANCE_BINS = 20  # per-row acceptance histogram over [0, 1]
@@ -235,6 +236,7 @@ def overview(found: Digest, summary: dict) -> list[tuple[str, str]]:
         ("completion tokens", str(totals.completion_tokens)),
         ("acceptance", f"{rate:.3f} ({totals.accepted_tokens} of {totals.draft_tokens} proposals)" if rate is not None
          else "no proposals (autoregressive)"),
+        ("acceptance by source", by_source(totals.totals()) or "-"),
         ("steps per gamma", " ".join(f"{g}:{n}" for g, n in enumerate(totals.gamma_histogram) if n) or "-"),
     ]
     if summary:

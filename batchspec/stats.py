@@ -62,3 +62,9 @@ class RunStats:
             "padding_fraction": self.pad_slots / self.prompt_slots if self.prompt_slots else 0.0,
             "wasted_cache_fraction": self.empty_cache_slots / self.cache_slots if self.cache_slots else 0.0,
         }
+
+
+def by_source(totals: dict) -> str:
+    """Acceptance per source that proposed, e.g. "model 0.310 in 120 row-steps, suffix 0.750 in 40"."""
+    return ", ".join(f"{source} {rate:.3f} in {totals[f'{source}_steps']} row-steps"
+                     for source, rate in totals["acceptance_by_source"].items())

@@ -339,9 +339,16 @@ def test_ngram_and_hybrid_drafts_write_the_target_alones_records(setup, tmp_path
         assert token_ids[name] == token_ids["ar"]
         assert summaries[name]["ngram_steps"] == sum(r["stats"]["ngram_steps"] for r in records[name].values()) > 0
         assert summaries[name]["models"]["ngram"] == [1, 3]
+        proposed = {source: [sum(r["stats"]["source_tokens"].get(source, [0, 0])[i] for r in records[name].values())
+                             for i in (0, 1)] for source in summaries[name]["acceptance_by_source"]}
+        assert summaries[name]["acceptance_by_source"] == {s: kept / made for s, (made, kept) in proposed.items()}
+        assert sum(made for made, _ in proposed.values()) == summaries[name]["draft_tokens"]
     assert summaries["ngram"]["models"]["draft"] is None and summaries["ngram"]["model_steps"] == 0
     assert summaries["hybrid"]["models"]["draft"] == draft
+    assert set(summaries["hybrid"]["acceptance_by_source"]) == {  # each source that proposed, its own acceptance
+        source for source in ("model", "ngram") if summaries["hybrid"][f"{source}_steps"]}
     assert summaries["ar"]["ngram_steps"] == summaries["ar"]["model_steps"] == 0
+    assert summaries["ar"]["acceptance_by_source"] == {}
 
 
 def test_generation_options_for_every_row(setup, tmp_path):

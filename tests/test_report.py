@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from PIL import Image
 
 from batchspec.cli import main
-from batchspec.report import Timeline, digest, token_pieces
+from batchspec.report import Timeline, digest, overview, token_pieces
 from batchspec.sink import OutputPaths
 from debian import install
 from test_job import lines, run_here, tiny_run_options, write_input
@@ -169,3 +169,13 @@ def test_timeline_bins_stay_bounded():
     assert sum(sums[0] for sums in timeline.bins.values()) == 3 * len(range(0, 7 * 86400, 7))
     points = timeline.points(40)
     assert len(points) <= 40 and points[0][0] == 0
+
+
+def test_the_overview_shows_acceptance_by_source(traced):
+    """The report's summary table: each source's acceptance, from the records' source_tokens."""
+    paths = OutputPaths.of(str(traced.out))
+    shown = dict(overview(digest(paths.out, paths.errors, views=0, seed=0), {}))
+    records = [orjson.loads(line) for line in lines(traced.out)]
+    made, kept = (sum(s["stats"]["source_tokens"]["model"][i] for r in records for s in r.get("samples", [r]))
+                  for i in (0, 1))
+    assert made and shown["acceptance by source"].startswith(f"model {kept / made:.3f} in ")

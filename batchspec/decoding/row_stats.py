@@ -25,6 +25,7 @@ class RowStats:
     accepted_length_histogram: list[int] = field(default_factory=list)  # speculative steps per accepted length
     gamma_histogram: list[int] = field(default_factory=list)  # steps per number of proposals (0: plain steps)
     tree_branch_histogram: list[int] = field(default_factory=list)  # tree steps per rank of the accepted path's end
+    source_tokens: dict[str, list[int]] = field(default_factory=dict)  # source -> [tokens proposed, accepted]
 
     @property
     def speculative_steps(self) -> int:
@@ -47,6 +48,7 @@ class RowStats:
             setattr(self, f"{source}_steps", getattr(self, f"{source}_steps") + 1)
             self.draft_tokens += proposed
             self.accepted_tokens += accepted
+            self.source_tokens[source] = add_up(self.source_tokens.get(source, []), [proposed, accepted])
             bump(self.accepted_length_histogram, accepted)
 
     def record(self, speculative: bool, trees: bool) -> dict:
@@ -64,13 +66,21 @@ class RowStats:
         for f in fields(self):
             if f.name in HISTOGRAMS:
                 setattr(self, f.name, add_up(getattr(self, f.name), stats.get(f.name, [])))
+            elif f.name == "source_tokens":
+                for source, counts in stats.get(f.name, {}).items():
+                    self.source_tokens[source] = add_up(self.source_tokens.get(source, []), counts)
             else:
                 setattr(self, f.name, getattr(self, f.name) + stats.get(f.name, 0))
 
     def totals(self) -> dict:
         """The sums a run's summary shows (forwards aside), with the acceptance rate."""
         shown = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.endswith("_forwards")}
-        return shown | {"acceptance_rate": self.accepted_tokens / self.draft_tokens if self.draft_tokens else None}
+        return shown | {"acceptance_rate": self.accepted_tokens / self.draft_tokens if self.draft_tokens else None,
+                        "acceptance_by_source": self.acceptance_by_source()}
+
+    def acceptance_by_source(self) -> dict[str, float]:
+        """Accepted over proposed tokens, per source that proposed."""
+        return {source: accepted / proposed for source, (proposed, accepted) in self.source_tokens.items()}
 
 
 def bump(histogram: list[int], at: int, by: int = 1) -> None:
