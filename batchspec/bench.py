@@ -251,11 +251,11 @@ def forward_costs(pair, prompts: list[list[int]], gamma_max: int, repeats: int =
 def ideal_speedup(cell: Cell, cells: list[Cell], costs: ForwardCosts) -> float | None:
     """What the cell's alpha promises at its forward costs for rows as long as its own: for a
     fixed gamma, that gamma's; for auto, the best of plain steps (1) and every gamma up to
-    gamma_max, at the alpha the most proposals measured. None for the hybrid, whose steps mix
-    both kinds of cost."""
-    if cell.policy is None or cell.method == HYBRID:
+    gamma_max, at the alpha the most proposals measured. None for the hybrids, whose steps mix
+    both kinds of cost; a model-free drafter's steps cost the target's forwards only."""
+    if cell.policy is None or cell.method in (HYBRID, SUFFIX_HYBRID):
         return None
-    drafts, tokens = cell.method != NGRAM, cell.tokens / len(cell.outputs)
+    drafts, tokens = cell.draft is not None, cell.tokens / len(cell.outputs)
     if not cell.policy.auto:
         return costs.ideal(cell.alpha, cell.policy.fixed, tokens, drafts) if cell.alpha is not None else None
     alpha = measured_alpha(cell, cells) or 0.0  # None: nothing like it ever speculated

@@ -101,7 +101,8 @@ def join_cluster(ray, address: str | None) -> None:
     try:
         ray.init(address=address, log_to_driver=False, logging_level="ERROR", configure_logging=False)
     except ConnectionError as e:
-        raise UsageError(f"cannot join the Ray cluster at {address}: {e}") from None
+        raise UsageError(f"cannot join the Ray cluster at {address}: {e} (a cluster with token authentication "
+                         "needs RAY_AUTH_MODE=token and its token here)") from None
     for name in ("ray", "ray.data"):
         logging.getLogger(name).setLevel(logging.ERROR)
     ray.data.DataContext.get_current().enable_progress_bars = False

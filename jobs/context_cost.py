@@ -1,7 +1,7 @@
 """How a decode step's cost grows with the cache it attends over: the target's forward over W new
 tokens a row for B rows, after a cache of L slots, for a few L (the median of its timings). The
-gamma policy takes each step's timing to empty caches by the growth it measures (see "Choosing
-γ" in the README); this shows that growth on your model and machine. The forwards go through the
+gamma policy prices steps by their recent timings, whatever the cache holds (docs/gamma-policy.md);
+this shows how much a step's cost moves with the cache on your model and machine. The forwards go through the
 engine's cache (BatchKV), one row's prompt a slot shorter than the others, so that they attend
 under the masks and the attention (batchspec.decoding.attention) a decode step of a padded batch
 runs with. Timed without them, transformers' attention takes other paths: on a 12-layer Llama

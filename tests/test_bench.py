@@ -82,16 +82,17 @@ def test_bench_table(tiny_pair, tmp_path):
 
 
 def test_bench_without_a_draft_model(tiny_pair):
-    """--drafters ngram needs no draft: ar, transformers' generate and prompt lookup, ngram auto;
+    """--drafters ngram,suffix need no draft: ar, transformers' generate and prompt lookup, ngram
+    and suffix auto (each priced at the target's forwards alone);
     here each decoding whole batches in turn (--interleave batch), and ar again (--control),
     which the verdict sets against ar and never names the fastest."""
     target, _ = tiny_pair("llama")
     report = bench(target=str(target), draft=None, prompts=str(PLAIN_PROMPTS), rows=2, batch_sizes=[1],
-                   drafters=["ngram"], gammas=[2], gamma_max=3, ngram_min=1, ngram_max=3, max_new_tokens=6,
+                   drafters=["ngram", "suffix"], gammas=[2], gamma_max=3, ngram_min=1, ngram_max=3, max_new_tokens=6,
                    repeats=1, dtype="float32", device="cpu", interleave="batch", control=True)
     assert "each method a whole batch in turn" in report.splitlines()[2]
     methods = [line.split("|")[2].strip() for line in report.splitlines() if line.startswith("| 1 ")]
-    assert methods == ["hf generate", "hf prompt lookup", "ar", "ar again", "ngram auto"]
+    assert methods == ["hf generate", "hf prompt lookup", "ar", "ar again", "ngram auto", "suffix auto"]
     verdict = next(line for line in report.splitlines() if line.startswith("batch 1:"))
     assert re.search(r"; ar again [\d.]+x ar \(the noise of these ratios\)$", verdict)
     assert not verdict.startswith("batch 1: fastest ar again")

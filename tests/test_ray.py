@@ -21,7 +21,9 @@ ROWS = 48
 def ray_address(tmp_path_factory):
     """A local Ray head for the session (2 CPUs), which the CLI runs join with --ray-address."""
     temp = tmp_path_factory.mktemp("ray")
-    env = {**ENV, "RAY_USAGE_STATS_ENABLED": "0"}
+    # no token authentication, whatever ~/.ray/auth_token an earlier local cluster left (clients that join by
+    # address do not read it)
+    env = {**ENV, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
     ray_cli = [sys.executable, "-m", "ray.scripts.scripts"]
     started = subprocess.run([*ray_cli, "start", "--head", "--num-cpus=2", "--include-dashboard=false",
                               f"--temp-dir={temp}", "--port=0"], env=env, capture_output=True, text=True, timeout=180)

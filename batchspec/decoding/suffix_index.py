@@ -14,8 +14,8 @@ Glossary:
   count(here) rates a continuation seen once 1.0 a token: replaying templated rows,
   jobs/replay_suffix.py, tokens so rated were accepted 42 % of the time, where those this
   estimate rates 0.8-1.0 were accepted about 80 %.) A proposal
-  stops where the confidence times the index's reliability falls below `min_prob`: the
-  break-even acceptance of one more verified position, its cost over a step's. Of every match
+  stops where the confidence times the index's reliability falls below `min_prob`: about what
+  one more verified position costs, over a step's. Of every match
   length the proposal of best `score` (the confidences' sum) is taken (a longer match wins
   ties), as Arctic Inference does.
 - reliability: the tokens the target accepted over the confidence summed, of the index's recent
@@ -42,7 +42,9 @@ from dataclasses import dataclass, field
 # (replay of 64 templated rows: 2.72 tokens a step with 300 tokens kept, 2.89 with 3,000).
 DEFAULT_MAX_TOKENS = 100_000
 DEFAULT_MAX_DEPTH = 24  # longest suffix kept: match plus proposal (gamma <= 8 leaves 16 tokens of match)
-DEFAULT_MIN_PROB = 0.1  # break-even acceptance of one more verified position: ~1/10 of a step on CPU
+# The least confidence (times reliability) a proposed token needs: a verified position costs a tenth of a
+# plain step at batch 1 on CPU, a third at batch 8 (why 0.25 and not 0.1: docs/performance.md, "The suffix index").
+DEFAULT_MIN_PROB = 0.25
 RELIABILITY_PRIOR = 8.0  # the reliability starts as if 8 expected tokens had all been accepted
 RELIABILITY_FADE = 1 - 1 / 4096  # per lookup: the record spans ~4096 lookups, then the prior returns
 
@@ -82,8 +84,8 @@ class _Node:
 class SuffixIndex:
     """The job-wide index: finished completions in, proposals out; at most `max_tokens` tokens kept
     (oldest completions leave first), suffixes cut to `max_depth` tokens; a proposal stops where
-    its confidence times `reliability` falls below `min_prob` (the drafter may set it from
-    measured step costs). `verified` tells it what the target accepted of its proposals."""
+    its confidence times `reliability` falls below `min_prob`. `verified` tells it what the
+    target accepted of its proposals."""
 
     def __init__(self, *, max_tokens: int = DEFAULT_MAX_TOKENS, max_depth: int = DEFAULT_MAX_DEPTH,
                  min_prob: float = DEFAULT_MIN_PROB):
