@@ -98,7 +98,7 @@ def stop_cut(pair, tokens: list[int], stop: str) -> int | None:
                  if stop in pair.tokenizer.decode(tokens[:j], skip_special_tokens=True)), None)
 
 
-@pytest.mark.parametrize("drafter", ["ar", "model", "self", "ngram", "hybrid", "tree"])
+@pytest.mark.parametrize("drafter", ["ar", "model", "self", "ngram", "hybrid", "suffix", "tree"])
 def test_stop_strings_end_rows_where_the_text_first_holds_one(pair, prompts, plain, drafter):
     """Stop strings spanning tokens, several per row, kept (include) or not; "self": the target
     drafts for itself, so every stop completes inside a fully accepted block."""
