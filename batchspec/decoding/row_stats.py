@@ -48,7 +48,7 @@ class RowStats:
             setattr(self, f"{source}_steps", getattr(self, f"{source}_steps") + 1)
             self.draft_tokens += proposed
             self.accepted_tokens += accepted
-            self.source_tokens[source] = add_up(self.source_tokens.get(source, []), [proposed, accepted])
+            self.count_source(source, [proposed, accepted])
             bump(self.accepted_length_histogram, accepted)
 
     def record(self, speculative: bool, trees: bool) -> dict:
@@ -68,9 +68,13 @@ class RowStats:
                 setattr(self, f.name, add_up(getattr(self, f.name), stats.get(f.name, [])))
             elif f.name == "source_tokens":
                 for source, counts in stats.get(f.name, {}).items():
-                    self.source_tokens[source] = add_up(self.source_tokens.get(source, []), counts)
+                    self.count_source(source, counts)
             else:
                 setattr(self, f.name, getattr(self, f.name) + stats.get(f.name, 0))
+
+    def count_source(self, source: str, counts: list[int]) -> None:
+        """Add [proposed, accepted] tokens to a source's."""
+        self.source_tokens[source] = add_up(self.source_tokens.get(source, []), counts)
 
     def totals(self) -> dict:
         """The sums a run's summary shows (forwards aside), with the acceptance rate."""
