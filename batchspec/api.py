@@ -17,13 +17,16 @@ from batchspec.buckets import Batch, make_encoder, plan
 from batchspec.chat import Bounds, run_template_options
 from batchspec.config import LOOKUPS, SUFFIX, RunConfig
 from batchspec.decoding import DecodeConfig, RowOptions, resolve_sampling
+from batchspec.decoding.compiled import Compiled
 from batchspec.decoding.drafters import tree_problem
 from batchspec.decoding.engine import BatchDecoder, BatchOutput, split
 from batchspec.decoding.grammar import Grammar, grammar_problem
 from batchspec.decoding.kv_cache import SLOT_ALIBI
+from batchspec.decoding.seq2seq import static_problem
 from batchspec.decoding.suffix_index import SuffixIndex
 from batchspec.defaults import default_draft, default_target
 from batchspec.errors import UsageError, say
+from batchspec.memory import HEADROOM, batch_bytes, free_bytes
 from batchspec.models import ModelPair, context_length, load_config, load_pair, unapplied_settings
 from batchspec.records import RecordMaker
 from batchspec.request_body import SAMPLES, SAMPLING_KEYS
@@ -184,6 +187,14 @@ def rows_config(options: dict) -> RunConfig:
     return RunConfig(input=ROWS, out=ROWS, draft=drafts[0], more_drafts=tuple(drafts[1:]), **options)
 
 
+def compiled_steps(cfg: RunConfig, pair: ModelPair) -> Compiled | None:
+    """The run's compiled step forwards (--compile): a step's slots at most, tree nodes counted."""
+    if not cfg.compile:
+        return None
+    width = max(cfg.tree_width, len(pair.drafts))
+    return Compiled(slots=cfg.gamma_max * width + 1, after=cfg.compile_after, device_type=pair.target.device.type)
+
+
 @dataclass
 class Decoded:
     """One decoded batch: the records of its rows, and the error records of rows that failed
@@ -230,13 +241,23 @@ class Generator:
             max_new_tokens=cfg.max_new_tokens, eos_token_ids=self.pair.eos_token_ids, sampling=sampling,
             gamma=decode_gamma(cfg), gamma_max=cfg.gamma_max, seed=cfg.seed, ngram=cfg.ngram_sizes,
             suffix=SuffixIndex() if cfg.lookup == SUFFIX else None,  # the run's: every batch drafts from it
-            tree_width=cfg.tree_width, **self.pair.forced_tokens)
+            tree_width=cfg.tree_width, compiled=compiled_steps(cfg, self.pair), **self.pair.forced_tokens)
         self.policy = self.decode_config.policy(trees=cfg.tree_width > 1 or bool(cfg.more_drafts))  # the run's
         self.row_options = run_row_options(cfg, len(self.pair.tokenizer), self.pair.target.generation_config)
         self.encode = encoder(cfg, self.pair.tokenizer, self.pair.context_length, self.row_options)
         self.make_record = record_maker(cfg, self.pair.tokenizer)
         self.fields = Fields(prompt=cfg.prompt_field, id=cfg.id_field, messages=cfg.messages_field,
                              tools=cfg.tools_field)
+        self.split_said = False  # a batch was split to fit memory, and the run said so
+
+    def compile_summary(self) -> dict | None:
+        """What --compile did so far: shapes compiled, seconds compiling and eager, and the models
+        that kept a dynamic cache, with why (None: no --compile)."""
+        compiled = self.decode_config.compiled
+        if compiled is None:
+            return None
+        dynamic = [problem for model in (self.pair.target, *self.pair.drafts) if (problem := static_problem(model))]
+        return {**compiled.summary(), "dynamic_cache": dynamic}
 
     @property
     def line_cap(self) -> int:
@@ -248,7 +269,29 @@ class Generator:
         cfg = self.config
         for item in plan(items, self.encode, window=cfg.window, batch_size=cfg.batch_size,
                          max_batch_tokens=cfg.max_batch_tokens, max_new_tokens=cfg.max_new_tokens, samples=cfg.n):
-            yield item if isinstance(item, RowError) else self.decode(item)
+            if isinstance(item, RowError):
+                yield item
+            else:
+                yield from map(self.decode, self.fitting(item))
+
+    def fitting(self, batch: Batch) -> list[Batch]:
+        """The batch, or its halves (again, down to single rows) where its caches and a step's
+        logits would not fit the device's free memory (memory.py); says so once per run."""
+        rows = sum(r.options.get(SAMPLES, self.config.n) for r in batch.rows)
+        limit = max(r.options.get("max_new_tokens") or self.config.max_new_tokens for r in batch.rows)
+        width = max(self.config.tree_width, len(self.pair.drafts), 1)
+        need = batch_bytes([self.pair.target, *self.pair.drafts], rows, max(map(len, batch.prompts)), limit,
+                           self.config.gamma_max * width + 1, self.pair.target.config.get_text_config().vocab_size)
+        free = HEADROOM * free_bytes(self.pair.target.device)
+        if need <= free or len(batch.rows) == 1:
+            return [batch]
+        if not self.split_said:
+            say(f"a batch of {rows} rows needs about {need / 2**30:.1f} GiB of caches and logits, "
+                f"{free / 2**30:.1f} GiB is free: split in halves (a lower --batch-size avoids the split)")
+            self.split_said = True
+        half = len(batch.rows) // 2
+        return [*self.fitting(Batch(batch.rows[:half], batch.prompts[:half])),
+                *self.fitting(Batch(batch.rows[half:], batch.prompts[half:]))]
 
     def decode(self, batch: Batch) -> Decoded:
         """One batch through the decoder, with its rows' own options (OpenAI-batch requests):

@@ -23,10 +23,12 @@ from dataclasses import dataclass, field, replace
 
 import greenlet
 import torch
+from transformers import CompileConfig
 
 from batchspec.bench_files import best_configs, write_results
 from batchspec.buckets import make_encoder
 from batchspec.decoding import DecodeConfig, RowOptions
+from batchspec.decoding.compiled import Compiled
 from batchspec.decoding.engine import BatchDecoder, BatchOutput
 from batchspec.decoding.kv_cache import padded
 from batchspec.decoding.policy import GammaPolicy, chain_tokens
@@ -40,7 +42,8 @@ from batchspec.models import load_pair
 from batchspec.sources import Row, RowError, read_jsonl
 
 HF, ASSISTED, LOOKUP, AR, AUTO = "hf generate", "hf assisted", "hf prompt lookup", "ar", "spec auto"
-TRANSFORMERS = (HF, ASSISTED, LOOKUP)  # methods transformers' generate runs (in lockstep: Generating)
+COMPILED = " compiled"  # --compile: hf generate (static cache), ar and spec auto again, their step forwards compiled
+TRANSFORMERS = (HF, ASSISTED, LOOKUP, HF + COMPILED)  # methods transformers' generate runs (in lockstep: Generating)
 CONTROL = "ar again"  # --control: ar twice, side by side; its speed over ar is the measurement's noise
 NGRAM, HYBRID, SUFFIX, SUFFIX_HYBRID = "ngram auto", "hybrid auto", "suffix auto", "suffix hybrid auto"
 DRAFTERS = {"model": AUTO, "ngram": NGRAM, "hybrid": HYBRID, "suffix": SUFFIX,
@@ -282,12 +285,21 @@ def hf_generate(pair, prompts: list[list[int]], config: DecodeConfig, method: st
     max_new_tokens = config.max_new_tokens
     extra = {ASSISTED: {"assistant_model": pair.draft},
              LOOKUP: {"prompt_lookup_num_tokens": config.gamma_max,
-                      "max_matching_ngram_size": config.ngram[1] if config.ngram else None}}.get(method, {})
+                      "max_matching_ngram_size": config.ngram[1] if config.ngram else None},
+             HF + COMPILED: {"cache_implementation": "static", "compile_config": hf_compile(ids.device)},
+             }.get(method, {})
     out = pair.target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
                                eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0, streamer=streamer,
                                **extra)
     completions = out[:, len(decoder_prefix(pair.target)) if seq2seq else ids.shape[1] :].tolist()
     return [row[: next((i + 1 for i, t in enumerate(row) if t in eos), len(row))] for row in completions]
+
+
+def hf_compile(device: torch.device) -> CompileConfig:
+    """generate's compiled decode forward on any device (it compiles on GPUs only, unless told)."""
+    config = CompileConfig(mode="default" if device.type == "cpu" else "reduce-overhead")
+    config._compile_all_devices = True
+    return config
 
 
 def assistable(pair) -> bool:
@@ -328,14 +340,18 @@ def finished(output: BatchOutput) -> Run:
 
 def methods(pair, batch_size: int, drafters: list[str], gammas: list[int], base: DecodeConfig,
             ngram: tuple[int, int], with_options: bool = False, samples: int = 1,
-            schema: RowOptions | None = None, tree_widths: tuple[int, ...] = (), control: bool = False) -> list[Cell]:
+            schema: RowOptions | None = None, tree_widths: tuple[int, ...] = (), control: bool = False,
+            compile: float | None = None) -> list[Cell]:
     """The cells one batch size compares: transformers' (its one-row methods at batch 1 only),
     ar (control: and ar again, whose speed over ar is the measurement's noise), the draft model at
     each fixed gamma (and trees of each of tree_widths at that depth, and with auto), each
     drafter with auto (ngram: n-gram sizes),
     with_options: ar and the model's auto again with OPTIONS on every row, and samples > 1: ar
     over rows that repeat each prompt `samples` times, prefilled once (n) or each (copies);
-    schema (every row's grammar): ar and the model's auto with it, and auto without jump-forward."""
+    schema (every row's grammar): ar and the model's auto with it, and auto without jump-forward;
+    compile (seconds, or None: none): transformers' generate on a static cache with its compiled
+    forward, and ar and the model's auto with compiled step forwards, a step shape compiled after
+    `compile` seconds of eager forwards at it."""
     lookup = replace(base, ngram=ngram)
     one_row = [ASSISTED] * assistable(pair) + [LOOKUP] * ("ngram" in drafters) if batch_size == 1 else []
     cells = [Cell(batch_size, HF, base)] + [Cell(batch_size, m, lookup) for m in one_row]
@@ -358,6 +374,10 @@ def methods(pair, batch_size: int, drafters: list[str], gammas: list[int], base:
             cells.append(Cell(batch_size, AUTO + SCHEMA, base, pair.draft, options=schema))
             cells.append(Cell(batch_size, AUTO + NO_JUMP, replace(base, jump_forward=False), pair.draft,
                               options=schema))
+    if compile is not None:
+        cells.append(Cell(batch_size, HF + COMPILED, base))
+        cells += [Cell(batch_size, method + COMPILED, replace(base, compiled=compiled_steps(pair, base, compile)), draft)
+                  for method, draft in [(AR, None)] + [(AUTO, pair.draft)] * ("model" in drafters)]
     if samples > 1:
         cells.append(Cell(batch_size, copies(samples), replace(base, share_prefill=False), samples=samples))
         cells.append(Cell(batch_size, f"{AR} n={samples}", base, samples=samples))
@@ -365,6 +385,12 @@ def methods(pair, batch_size: int, drafters: list[str], gammas: list[int], base:
         plain = cell.method in TRANSFORMERS or cell.method.startswith(AR)  # no gamma policy
         cell.policy = None if plain else cell.config.policy()
     return cells
+
+
+def compiled_steps(pair, base: DecodeConfig, after: float) -> Compiled:
+    """A cell's compiled step forwards: a shape compiles after `after` seconds of eager forwards
+    at it, as in a run (so the first pass pays for compiling; each batch's fastest run counts)."""
+    return Compiled(slots=base.gamma_max + 1, after=after, device_type=pair.target.device.type)
 
 
 def tree_method(width: int, gamma: int | None) -> str:
@@ -378,7 +404,7 @@ def copies(samples: int) -> str:
 def bench_size(pair, prompts, batch_size: int, drafters: list[str], gammas: list[int], base: DecodeConfig,
                ngram: tuple[int, int], repeats: int, with_options: bool, samples: int,
                schema: RowOptions | None = None, tree_widths: tuple[int, ...] = (), min_runs: int = 1,
-               interleave: str = "step", control: bool = False) -> list[Cell]:
+               interleave: str = "step", control: bool = False, compile: float | None = None) -> list[Cell]:
     """Every method at one batch size: a warm-up batch each (alone: the memory it holds), then
     timed passes, batch by batch (counting target forwards), `repeats` of them or as many more as
     time every method in `min_runs` runs of a batch. interleave "step": the methods decode each
@@ -387,7 +413,7 @@ def bench_size(pair, prompts, batch_size: int, drafters: list[str], gammas: list
     the ideal takes each cost's median, so that neither the VM's drift over a pass nor a stall
     while they ran moves it."""
     cells = methods(pair, batch_size, drafters, gammas, base, ngram, with_options, samples, schema, tree_widths,
-                    control)
+                    control, compile)
     for cell in cells:  # auto measures its costs
         with PeakMemory(pair.target.device) as memory:
             decode(pair, cell, cell.prompts(prompts)[:batch_size])
@@ -668,8 +694,8 @@ def run_options(cell: Cell) -> dict | None:
     if cell.options or cell.samples > 1 or cell.method in TRANSFORMERS:
         return None
     if cell.policy is None:
-        return {"mode": "ar"}
-    options = {"mode": "spec", "gamma": cell.gamma}
+        return {"mode": "ar"} | ({"compile": True} if cell.config.compiled else {})
+    options = {"mode": "spec", "gamma": cell.gamma} | ({"compile": True} if cell.config.compiled else {})
     if cell.config.tree_width > 1:
         options |= {"tree_width": cell.config.tree_width}
     if cell.config.ngram:
@@ -766,7 +792,7 @@ def bench(*, target: str | None, draft: str | None, prompts: str, rows: int | No
           max_new_tokens: int, repeats: int, dtype: str, device: str, with_options: bool = False,
           samples: int = 1, out_dir: str | None = None, write_config: str | None = None,
           json_schema: str | None = None, tree_widths: tuple[int, ...] = (), min_runs: int = 1,
-          interleave: str = "step", control: bool = False) -> str:
+          interleave: str = "step", control: bool = False, compile: float | None = None) -> str:
     """The markdown report of every method at every batch size on a model pair (default: the
     embedded one); out_dir: also results.csv, results.json and plots there; write_config: the
     fastest setting per batch size as --config files; json_schema: a JSON schema file, every row's
@@ -774,7 +800,8 @@ def bench(*, target: str | None, draft: str | None, prompts: str, rows: int | No
     its chains; min_runs: each method's timed runs of a batch at every batch size, at least
     (passes are added where a batch size has fewer batches); interleave: "step" (the methods
     decode each batch in lockstep) or "batch" (each decodes it whole in turn: one batch's
-    caches held at a time); control: ar twice, its speed over itself the noise of every ratio."""
+    caches held at a time); control: ar twice, its speed over itself the noise of every ratio;
+    compile: the compiled cells' --compile-after (methods; None: no compiled cells)."""
     models = {"target": target, "draft": draft} if target is not None else {}  # for the config files
     if target is None:
         target, draft = default_target(), draft or default_draft()
@@ -791,7 +818,8 @@ def bench(*, target: str | None, draft: str | None, prompts: str, rows: int | No
                         **pair.forced_tokens)
     cells = [cell for size in batch_sizes
              for cell in bench_size(pair, token_ids, size, drafters, gammas, base, (ngram_min, ngram_max), repeats,
-                                    with_options, samples, schema, tree_widths, min_runs, interleave, control)]
+                                    with_options, samples, schema, tree_widths, min_runs, interleave, control,
+                                    compile)]
     for cell in cells:
         cell.mismatches = mismatches(pair.target, cell.prompts(token_ids), cell.outputs, reference(cell, cells).outputs)
     written = []

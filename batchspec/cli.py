@@ -204,6 +204,11 @@ def main():
 @option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
         help="auto: bfloat16 on a GPU that has it, float32 on CPU.")
 @option("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
+@option("--compile", is_flag=True, default=False,
+        help="Static caches and compiled step forwards (torch.compile; CUDA graphs on a GPU). Each step shape "
+        "compiles once its eager forwards have cost --compile-after seconds.")
+@option("--compile-after", type=click.FloatRange(0), default=30.0,
+        help="With --compile: eager seconds at a step shape before it compiles (0: at once).")
 @option("--devices", default=None,
         help="Comma-separated devices (cuda:0,cuda:1,...): one worker process each, a shard apiece, merged "
         "into OUT at the end.")
@@ -328,6 +333,11 @@ def int_list(text: str, name: str) -> list[int]:
 @option("--interleave", type=click.Choice(["step", "batch"]), default="step",
         help="step: the methods decode each batch in lockstep, a step at a time, so that the machine's phases "
         "slow them alike; batch: each decodes it whole in turn (holds one batch's caches at a time).")
+@option("--compile", is_flag=True, default=False,
+        help="Also transformers' generate on a static cache with a compiled forward, and ar and spec auto with "
+        "compiled step forwards, as `batchspec run --compile` compiles them.")
+@option("--compile-after", type=click.FloatRange(0), default=30.0,
+        help="With --compile: eager seconds at a step shape before it compiles (0: at once).")
 @option("--control", is_flag=True, default=False,
         help="Also ar again, side by side with ar: its speed over ar is how far the machine's noise moves a ratio.")
 @option("--with-options", is_flag=True, default=False,
@@ -344,7 +354,7 @@ def int_list(text: str, name: str) -> list[int]:
 @option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", help="Model dtype.")
 @option("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
 @option("--debug", is_flag=True, default=False, help="Show tracebacks.")
-def bench(debug, batch_sizes, drafters, gammas, tree_widths, **options):
+def bench(debug, batch_sizes, drafters, gammas, tree_widths, compile, compile_after, **options):
     """Greedy tokens/s of spec (the draft at fixed gammas, and each drafter with auto) vs ar vs
     transformers' generate, assisted generation and prompt lookup, side by side in one process,
     with acceptance, the gammas auto chose and the speed-up the measured acceptance and step
@@ -358,7 +368,8 @@ def bench(debug, batch_sizes, drafters, gammas, tree_widths, **options):
         raise click.BadParameter(f"expected some of {', '.join(DRAFTERS)}, got {drafters!r}", param_hint="--drafters")
 
     def job():
-        click.echo(run_bench(batch_sizes=sizes, drafters=kinds, gammas=fixed, tree_widths=widths, **options))
+        click.echo(run_bench(batch_sizes=sizes, drafters=kinds, gammas=fixed, tree_widths=widths,
+                             compile=compile_after if compile else None, **options))
         return 0
 
     sys.exit(guarded(job, debug))

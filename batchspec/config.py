@@ -65,6 +65,8 @@ class RunConfig:
     dtype: str = "auto"
     device: str = "auto"
     devices: str | None = None  # "cuda:0,cuda:1": one worker process per device (workers.py)
+    compile: bool = False  # static caches and compiled step forwards (decoding/compiled.py)
+    compile_after: float = 30.0  # eager seconds at a step shape before it compiles
     engine: str = "local"  # "local": this process (or --devices' workers); "ray": Ray Data actors (ray.py)
     ray_address: str | None = None  # the Ray cluster to join ("auto": this machine's); None: start a local one
     workers: int = 1  # Ray actors, each holding the models

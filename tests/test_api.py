@@ -90,3 +90,17 @@ def test_datasets_map_gives_the_same_completions(generator, run_output):
 def test_unknown_options_are_named(options):
     with pytest.raises(TypeError, match="unknown option.*max_tokens"):
         Generator(**options, max_tokens=5)
+
+
+def test_a_batch_that_would_not_fit_memory_is_split(generator, monkeypatch, capsys):
+    """Batches whose caches and logits would not fit the free memory are halved down to single
+    rows, said once: the same completions."""
+    whole = {key(r): r.get("completion") for r in generator.generate(ROWS)}
+    sizes = []
+    decode = generator.decode
+    monkeypatch.setattr(generator, "decode", lambda batch: sizes.append(len(batch.rows)) or decode(batch))
+    monkeypatch.setattr("batchspec.api.free_bytes", lambda device: 0)  # no batch of several rows fits
+    monkeypatch.setattr(generator, "split_said", False)
+    assert {key(r): r.get("completion") for r in generator.generate(ROWS)} == whole
+    assert sizes and set(sizes) == {1}
+    assert capsys.readouterr().err.count("split in halves") == 1

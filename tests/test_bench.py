@@ -402,3 +402,22 @@ def test_peak_memory_sees_an_allocation_freed_before_the_block_ends():
     with PeakMemory(torch.device("cpu")) as memory:
         torch.ones(64 * 2**20 // 4).add_(1)  # 64 MiB, freed at once
     assert memory.mib is not None and 48 < memory.mib < 112
+
+
+def test_compile_adds_generate_on_a_static_cache_and_compiled_steps(tiny_pair):
+    """--compile: transformers' generate on a static cache with its compiled forward (the same
+    tokens as generate), and ar and spec auto with compiled step forwards, compiling as a run
+    would (--compile-after), which --write-config turns into `compile = true`."""
+    target, draft = tiny_pair("llama")
+    pair = load_pair(str(target), str(draft), dtype="float32", device="cpu")
+    base = DecodeConfig(max_new_tokens=6, gamma_max=3)
+    cells = bench_module.methods(pair, 1, ["model"], [], base, (1, 3), compile=12.0)
+    compiled = [c for c in cells if c.method.endswith(bench_module.COMPILED)]
+    assert [c.method for c in compiled] == ["hf generate compiled", "ar compiled", "spec auto compiled"]
+    assert compiled[0].config.compiled is None and [c.config.compiled.after for c in compiled[1:]] == [12.0, 12.0]
+    assert bench_module.run_options(compiled[1]) == {"mode": "ar", "compile": True}
+    assert bench_module.run_options(compiled[2]) == {"mode": "spec", "gamma": "auto", "compile": True}
+    prompts = [[5, 9, 11, 4], [7, 3]]
+    with torch.inference_mode():
+        assert bench_module.hf_generate(pair, prompts, base, compiled[0].method) == bench_module.hf_generate(
+            pair, prompts, base, HF)

@@ -1,5 +1,6 @@
 """More architectures: greedy spec (chains and trees, a fixed gamma and steps that switch between
-plain and speculative ones) and ar equal the target alone on tiny random models.
+plain and speculative ones, on dynamic and static caches) and ar equal the target alone on tiny
+random models.
 
 Where an architecture has sliding-window layers, the window (12) is far shorter than the rows.
 """
@@ -10,6 +11,7 @@ import pytest
 
 from batchspec.decoding import DecodeConfig, decode_batch
 from batchspec.decoding.kv_cache import uses_alibi
+from batchspec.decoding.seq2seq import static_problem
 from batchspec.models import load_pair
 
 from policies import Scripted
@@ -31,14 +33,16 @@ def test_spec_and_ar_equal_target_alone(family, tiny_pair):
     prompts = random_prompts(len(pair.tokenizer), LENGTHS[:9])
     expected = [reference(pair.target, p, pair.eos_token_ids, MAX_NEW) for p in prompts]
     config = DecodeConfig(max_new_tokens=MAX_NEW, eos_token_ids=pair.eos_token_ids, gamma=4)
-    for draft, width in ((pair.draft, 1), (None, 1), (pair.draft, 3)):
-        tree = replace(config, tree_width=width)
+    for draft, width, static in ((pair.draft, 1, False), (None, 1, False), (pair.draft, 3, False),
+                                 (pair.draft, 1, True), (pair.draft, 3, True)):
+        tree = replace(config, tree_width=width, static_cache=static)
         if width > 1 and uses_alibi(pair.target.config):  # its biases come from a 2D mask: no tree mask
             with pytest.raises(ValueError, match="ALiBi"):
                 decode_batch(pair.target, draft, prompts, list(range(len(prompts))), tree)
             continue
         out = decode_batch(pair.target, draft, prompts, list(range(len(prompts))), tree)
         assert [r.token_ids for r in out.rows] == expected
+        assert out.stats["static_cache"] == (static and static_problem(pair.target) is None)
     switching = Scripted(SWITCHING, gamma_max=8)  # the draft sits out plain steps, then reads them with holes
     out = decode_batch(pair.target, pair.draft, prompts, list(range(len(prompts))), config, policy=switching)
     assert [r.token_ids for r in out.rows] == expected

@@ -351,6 +351,26 @@ def test_ngram_and_hybrid_drafts_write_the_target_alones_records(setup, tmp_path
     assert summaries["ar"]["acceptance_by_source"] == {}
 
 
+def test_compile_writes_the_same_records_and_says_what_it_compiled(setup, tmp_path):
+    """--compile (compiling every step shape at once): ar's records as without it; the summary
+    counts the shapes compiled and the seconds spent."""
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(b"".join(orjson.dumps({"id": i, "prompt": " ".join(WORDS[i : i + 3 + i])}) + b"\n"
+                                for i in range(6)))
+    common = ["--target", str(setup["target"]), "--mode", "ar", "--max-new-tokens", "12", "--batch-size", "4",
+              "--no-progress", "--token-ids"]
+    records = {}
+    for name, args in {"eager": [], "compiled": ["--compile", "--compile-after", "0"]}.items():
+        out = tmp_path / f"{name}.jsonl"
+        result = run_cli(str(source), "--out", str(out), *common, *args)
+        assert result.returncode == 0, result.stderr
+        records[name] = lines(out)
+    assert records["compiled"] == records["eager"]
+    summary = orjson.loads(sidecar(out, ".summary.json").read_bytes())["compile"]
+    assert summary["compiled_shapes"] > 0 and summary["compile_seconds"] > 0 and summary["dynamic_cache"] == []
+    assert "step shapes compiled" in result.stdout + result.stderr
+
+
 def test_generation_options_for_every_row(setup, tmp_path):
     """--stop, --logprobs and the processing options reach every row (that they belong to the
     run's fingerprint: test_changed_options_refuse_to_resume_unless_overwrite)."""

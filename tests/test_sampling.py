@@ -103,26 +103,28 @@ def target_samples(models):
     return samples
 
 
-def our_samples(target, draft, params, gamma=3, seed=0, policy=None, ngram=None, suffix=None):
+def our_samples(target, draft, params, gamma=3, seed=0, policy=None, ngram=None, suffix=None, static=False):
     config = DecodeConfig(max_new_tokens=NEW_TOKENS, sampling=params, gamma=gamma, seed=seed, ngram=ngram,
-                          suffix=suffix)
+                          suffix=suffix, static_cache=static)
     out = decode_batch(target, draft, [PROMPT] * SAMPLES, list(range(SAMPLES)), config, policy=policy)
     return out, [r.token_ids for r in out.rows]
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("mode", ["spec", "ar", "switching", "ngram", "hybrid", "suffix"])
+@pytest.mark.parametrize("mode", ["spec", "ar", "switching", "ngram", "hybrid", "suffix", "static"])
 def test_sampling_matches_target(models, target_samples, setting, mode):
     """switching: plain and speculative steps alternate inside each completion (gammas 0, 2, 0, 1).
+    static: the switching steps on static caches.
     ngram: deterministic proposals (one-hot q), and rows without a match beside them; hybrid:
     one-hot q for looked-up rows, the draft's q for the others, in one batch; suffix: the same
     from an index of earlier completions (other samples of the target's, drawn apart)."""
     target, draft = models
-    policy = Scripted([0, 2, 0, 1], gamma_max=3) if mode == "switching" else None
+    policy = Scripted([0, 2, 0, 1], gamma_max=3) if mode in ("switching", "static") else None
     draft = None if mode in ("ar", "ngram", "suffix") else draft
     suffix = earlier_samples(target, SETTINGS[setting]) if mode == "suffix" else None
     out, ours = our_samples(target, draft, SETTINGS[setting], policy=policy,
-                            ngram=LOOKUP if mode in ("ngram", "hybrid", "suffix") else None, suffix=suffix)
+                            ngram=LOOKUP if mode in ("ngram", "hybrid", "suffix") else None, suffix=suffix,
+                            static=mode == "static")
     if mode != "ar":  # proposals accepted and (far more with n-gram lookup) rejected: both paths run a lot
         rates = [r.stats["acceptance_rate"] for r in out.rows if r.stats["draft_tokens"]]
         assert 0.02 < sum(rates) / len(rates) < 0.9

@@ -46,15 +46,17 @@ def decode(pair, draft, prompts, gamma=3, forced=None, **kwargs):
     return decode_batch(pair.target, draft, prompts, list(range(len(prompts))), config, policy=policy)
 
 
-@pytest.mark.parametrize("mode", ["ar", 3, 6, "auto", "switching", "ngram", "hybrid", "compact every step", "tree"])
+@pytest.mark.parametrize("mode", ["ar", 3, 6, "auto", "switching", "ngram", "hybrid", "compact every step", "tree",
+                                  "static asked"])
 def test_greedy_equals_generate(case, mode):
     pair, prompts, expected = case
     draft = None if mode in ("ar", "ngram") else pair.draft
     extra = {"ngram": (1, 3)} if mode in ("ngram", "hybrid") else {"compact_at": 0.0} if mode == "compact every step" \
-        else {"tree_width": 3} if mode == "tree" else {}
+        else {"tree_width": 3} if mode == "tree" else {"static_cache": True} if mode == "static asked" else {}
     out = decode(pair, draft, prompts, mode if isinstance(mode, int) else 3 if mode in ("compact every step", "tree")
                  else mode, **extra)
     assert [r.token_ids for r in out.rows] == expected
+    assert not out.stats["static_cache"]  # encoder–decoders keep today's cache, static asked or not
     if mode == "tree":  # T5's relative positions and BART's (forced EOS processed at each slot's depth) in trees
         assert all(r.stats["tree_steps"] == r.stats["model_steps"] > 0 for r in out.rows)
     if mode in (3, 6, "switching", "hybrid", "tree"):  # rejections: holes in the decoder caches

@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from batchspec.decoding import DecodeConfig, RowOptions, SamplingParams
 from batchspec.decoding.engine import BatchDecoder
+from batchspec.decoding.kv_cache import StaticKV
 from batchspec.models import load_pair
 
 from policies import Scripted
@@ -46,7 +47,8 @@ class OpReads(TorchDispatchMode):
 
 
 MODES = ["auto", "switching", "ar", "ngram", "hybrid", "options", "tree",  # tree: with options
-         "even", "single"]  # rows of one length (ar), one row (switching): the model's own causal mask
+         "even", "single",  # rows of one length (ar), one row (switching): the model's own causal mask
+         "static-switching", "static-tree"]  # on static caches: buffers rows leave inert, then shrink
 CASES = [(family, mode) for family in ("llama", "mistral") for mode in MODES] + [
     ("bart", mode) for mode in ("switching", "hybrid", "options")]  # an encoder–decoder, forced EOS
 
@@ -54,6 +56,7 @@ CASES = [(family, mode) for family in ("llama", "mistral") for mode in MODES] + 
 @pytest.mark.parametrize("family, mode", CASES)
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_every_step_reads_the_device_once(tiny_pair, family, mode, temperature):
+    static, mode = mode.startswith("static-"), mode.removeprefix("static-")
     target, draft = tiny_pair(family, **({"window": 12} if family == "mistral" else {}))
     pair = load_pair(str(target), str(draft), dtype="float32", device="cpu")
     lengths = {"even": [9, 9, 9, 9], "single": [17]}.get(mode, [3, 17, 1, 9])
@@ -62,7 +65,8 @@ def test_every_step_reads_the_device_once(tiny_pair, family, mode, temperature):
     config = DecodeConfig(max_new_tokens=12, eos_token_ids=pair.eos_token_ids, gamma_max=4,
                           compact_at=1.0 if dense else 0.3,  # else the caches are compacted, the draft's too
                           sampling=SamplingParams(temperature=temperature),
-                          ngram=(1, 3) if mode in ("ngram", "hybrid") else None, tree_width=3 if mode == "tree" else 1)
+                          ngram=(1, 3) if mode in ("ngram", "hybrid") else None, tree_width=3 if mode == "tree" else 1,
+                          static_cache=static)
     scripted = mode in ("switching", "ngram", "hybrid", "options", "tree", "single")
     policy = Scripted([0, 3, 0, 0, 4, 1], gamma_max=4, trees=mode == "tree") if scripted else None
     draft = pair.draft if mode in ("auto", "switching", "hybrid", "options", "tree", "single") else None
@@ -75,6 +79,7 @@ def test_every_step_reads_the_device_once(tiny_pair, family, mode, temperature):
     decoder = BatchDecoder(pair.target, draft, prompts, list(range(len(prompts))), config, options, policy,
                            pair.tokenizer)
     assert (decoder.target_kv.dense and decoder.target_kv.maskless) == dense
+    assert isinstance(decoder.target_kv, StaticKV) == static
     steps = []
     while not decoder.done:
         with FunctionReads() as calls, OpReads() as ops:

@@ -32,10 +32,11 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
+from batchspec.decoding.compiled import Compiled
 from batchspec.decoding.drafters import JumpDrafter, Proposal, make_drafter, tree_problem
 from batchspec.decoding.drafters.proposal import on_device
 from batchspec.decoding.grammar import GrammarRows
-from batchspec.decoding.kv_cache import BatchKV, padded
+from batchspec.decoding.kv_cache import BatchKV, Static, StaticKV, padded
 from batchspec.decoding.options import RowOptions
 from batchspec.decoding.policy import GammaPolicy
 from batchspec.decoding.processors import Processors
@@ -67,6 +68,8 @@ class DecodeConfig:
     forced_bos_token_id: int | None = None  # the first token of every row (the generation config's)
     forced_eos_token_id: int | None = None  # the last token of a row that reaches its limit
     jump_forward: bool = True  # with a drafter: propose the text a row's grammar forces (off: bench's baseline)
+    static_cache: bool = False  # caches allocated once per batch (kv_cache.StaticKV), where a model can take one
+    compiled: Compiled | None = None  # the run's compiled step forwards (on static caches); None: eager
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -198,15 +201,16 @@ def start_rows(row_ids, limits: list[int], seeds: list[int], stop_ids: list[list
 
 
 def prefill(target, ids: torch.Tensor, mask: torch.Tensor | None, prompts: list[list[int]], share: bool = True,
-            source: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[BatchKV, torch.Tensor]:
+            source: tuple[torch.Tensor, torch.Tensor] | None = None,
+            static: Static | None = None) -> tuple[BatchKV, torch.Tensor]:
     """The target's cache holding every decoder prompt (ids, mask: [B, P]; mask None: no pad),
     and its logits after each [B, 1, V]: the first step's. An encoder–decoder target first
     encodes `source` (the prompts, right-padded). share: a prompt that several rows hold (n
-    samples of one request) is prefilled once, its cache copied."""
+    samples of one request) is prefilled once, its cache copied. static: a static cache's plan."""
     first: dict[tuple | int, int] = {}
     origin = [first.setdefault(tuple(prompt) if share else b, b) for b, prompt in enumerate(prompts)]  # [B]
     distinct = list(first.values())  # [U]
-    kv = model_cache(target, len(distinct), ids.device, source and (source[0][distinct], source[1][distinct]))
+    kv = model_cache(target, len(distinct), ids.device, source and (source[0][distinct], source[1][distinct]), static)
     logits = kv.forward(ids[distinct], mask if mask is None else mask[distinct], logits_to_keep=1)  # [U, 1, V]
     if len(distinct) < len(prompts):
         at = {b: k for k, b in enumerate(distinct)}
@@ -359,10 +363,12 @@ class BatchDecoder:
         source = padded(prompts, device, left=False) if target.config.is_encoder_decoder else None
         decoder_prompts = prompts if source is None else [decoder_prefix(target)] * len(prompts)
         ids, mask = padded(decoder_prompts, device)  # [B, P]
+        limits = [o.max_new_tokens or config.max_new_tokens for o in options]
+        static = static_plan(config, ids.shape[1] + max(limits) + self.policy.gamma_max * width + 1)
         # the prefill runs every prompt through: its logits make the first step, a plain one
         even = len({len(p) for p in decoder_prompts}) == 1  # no pad: the target's cache starts dense
         self.target_kv, self.first_logits = prefill(target, ids, None if even else mask, prompts, config.share_prefill,
-                                                    source)
+                                                    source, static)
         vocab = target.get_output_embeddings().weight.shape[0]
         grammars = [o.grammar for o in options]
         self.grammar = GrammarRows(grammars, tokenizer, vocab, config.eos_token_ids, device,
@@ -371,9 +377,8 @@ class BatchDecoder:
         self.jump = JumpDrafter(self.grammar, device) if self.grammar and config.jump_forward and speculates else None
         self.trees = width > 1 and config.sampling.greedy and self.grammar is None  # else the first draft's chains
         self.drafter = make_drafter(drafts if self.trees else drafts[:1], config.ngram, prompts, ids, mask, vocab,
-                                    source, self.jump, config.tree_width if self.trees else 1, config.suffix)
+                                    source, self.jump, config.tree_width if self.trees else 1, config.suffix, static)
         gamma_max = self.policy.gamma_max if self.drafter else 0
-        limits = [o.max_new_tokens or config.max_new_tokens for o in options]
         seeds = [config.seed if o.seed is None else o.seed for o in options]
         stop_ids = [o.ending_ids(config.eos_token_ids) for o in options]
         self.rows = start_rows(row_ids, limits, seeds, stop_ids, config, gamma_max, device)
@@ -531,9 +536,16 @@ class BatchDecoder:
             "padding_fraction": self.padding_fraction,
             "wasted_cache_fraction": totals["empty_slots"] / totals["slots"] if totals["slots"] else 0.0,
             "mask_seconds": self.grammar.seconds if self.grammar else 0.0,  # host time of grammar masks
+            "static_cache": isinstance(self.target_kv, StaticKV),
             **totals,
         }
         return BatchOutput(self.results, stats)
+
+
+def static_plan(config: DecodeConfig, capacity: int) -> Static | None:
+    """The batch's static caches (capacity: its longest prompt, limit and one step's slots), or
+    None: dynamic ones."""
+    return Static(capacity, config.compiled) if config.static_cache or config.compiled else None
 
 
 def row_stats(prompt_tokens: int, gamma_max: int, width: int, encoded: bool) -> RowStats:

@@ -13,14 +13,22 @@ layer keeps its whole past so that rollback and compaction stay possible.
 
 A token tree (decoding/tree.py) is appended with forward_tree: its slots see the past and their
 own ancestors only, at position past + depth; take_tree then keeps one path of it, in order.
+
+StaticKV keeps the same slots in buffers allocated once per batch (decoding/compiled.py): a
+forward writes at the write offset, rollback moves the offset back and holes stay in the mask,
+and every forward attends over the whole buffer, the unwritten slots masked: shapes a compiled
+forward can replay.
 """
 
 import inspect
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import Cache, StaticLayer
 
 from batchspec.decoding.attention import attention
+from batchspec.decoding.compiled import Compiled
 from batchspec.decoding.tree import tree_ancestors
 
 ALIBI_MODELS = {"bloom", "mpt"}  # model types whose forward reads the 2D mask (as do configs with alibi=True)
@@ -36,6 +44,12 @@ def cache_keyword(model) -> str:
     """The name a model's forward takes its cache by: `cache` from transformers 5.24 on (where the
     old `past_key_values` warns at every call, and goes in 5.40), `past_key_values` before."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def fresh(view: torch.Tensor) -> torch.Tensor:
+    """A view's copy with contiguous strides: a compiled forward guards on its inputs' strides
+    (a [B, 1] slice keeps its parent's row stride, and `contiguous` keeps it too)."""
+    return view.clone(memory_format=torch.contiguous_format)
 
 
 def padded(prompts: list[list[int]], device, left: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,15 +149,19 @@ class BatchKV:
         """The model's forward over the last S slots of the mask (ids [B, S]; positions [B, L]:
         every slot's; seen [B, S, L]: the slots each attends to, itself included; None: causal)."""
         with attention():
-            out = self.model(
+            out = self.forward_of(input_ids.shape[1])(
                 input_ids=input_ids,
                 attention_mask=self.mask if self.alibi else self.attention_masks(seen, positions),
-                position_ids=positions[:, -input_ids.shape[1] :],
+                position_ids=fresh(positions[:, -input_ids.shape[1] :]),
                 use_cache=True,
                 logits_to_keep=logits_to_keep,
                 **{self.cache_keyword: self.cache},
             )
         return out.logits
+
+    def forward_of(self, S: int):
+        """The forward that appends S slots: the model's own (StaticKV: maybe a compiled one)."""
+        return self.model
 
     def attention_masks(self, seen: torch.Tensor, positions: torch.Tensor):
         """Masks [B, 1, S, L] for the last S slots: "full_attention" sees every slot of `seen`
@@ -161,8 +179,12 @@ class BatchKV:
             S = seen.shape[1]
             near = positions[:, None, :] > (positions[:, -S:] - self.window)[:, :, None]  # [B, S, L]
             masks["sliding_attention"] = seen & near
-        masks = {k: self.additive(m[:, None]) for k, m in masks.items()}
+        masks = {k: self.additive(self.widened(m)[:, None]) for k, m in masks.items()}
         return masks if len(masks) > 1 else next(iter(masks.values()))
+
+    def widened(self, seen: torch.Tensor) -> torch.Tensor:
+        """seen [B, S, L] as wide as the keys the layers attend over (here: the cache's L)."""
+        return seen
 
     def additive(self, mask: torch.Tensor) -> torch.Tensor:
         """A boolean mask (True = attend) as the model's attention takes it: as is, or as additive
@@ -212,3 +234,130 @@ class BatchKV:
             index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
             layer.keys = layer.keys.gather(2, index)
             layer.values = layer.values.gather(2, index)
+
+
+@dataclass(frozen=True)
+class Static:
+    """A batch's static caches: `capacity` slots each to start with, and the run's compiled
+    forwards (decoding/compiled.py; None: eager)."""
+
+    capacity: int
+    compiled: Compiled | None = None
+
+
+def bucket(slots: int) -> int:
+    """A static buffer's length for `slots`: the next power of two from 64 (few shapes to compile)."""
+    return max(64, 1 << (slots - 1).bit_length())
+
+
+def bucket_rows(rows: int) -> int:
+    """The buffer rows that hold `rows` live rows: the next power of two."""
+    return 1 << (rows - 1).bit_length()
+
+
+def fixed_addresses(layer: StaticLayer) -> None:
+    """Tell torch.compile a layer's new buffers stay where they are (replayed CUDA graphs write to them)."""
+    torch._dynamo.mark_static_address(layer.keys)
+    torch._dynamo.mark_static_address(layer.values)
+
+
+class StaticKV(BatchKV):
+    """BatchKV over buffers [R, H, C, D] per layer: C = `capacity` slots, R rows, none moved as
+    the cache grows. The mask stays [B, L] over the live rows' written slots; each forward's
+    attention mask is widened to C with the unwritten slots unseen. Rollback moves the write
+    offset (the layers' cumulative_length) back; compaction rewrites the buffers' front in place;
+    a forward that would overrun C first moves the cache to buffers of the next bucket.
+
+    Rows that leave stay in the buffers, inert (their forwards run on, their outputs unread),
+    until the live rows fit a power of two rows fewer: then the buffers shrink to that. So a
+    batch meets few shapes (R, S, C), and decode-sized forwards (S <= `compiled.slots`) may run
+    compiled (compiled.forward)."""
+
+    maskless = False  # the model's own causal mask would span unwritten slots
+
+    def __init__(self, model, batch_size: int, device: torch.device, capacity: int, compiled: Compiled | None = None):
+        self.capacity = bucket(capacity)
+        self.compiled = compiled
+        self.buffer_rows = batch_size  # R
+        self.rows: torch.Tensor | None = None  # [B]: each live row's buffer row (None: row b is buffer row b)
+        super().__init__(model, batch_size, device)
+
+    def new_cache(self):
+        layers = self.model.config.get_text_config(decoder=True).num_hidden_layers
+        return Cache(layers=[StaticLayer(self.capacity) for _ in range(layers)])
+
+    def forward_of(self, S: int):
+        compiled = self.compiled and self.compiled.forward(self.model, (self.buffer_rows, S, self.capacity))
+        return compiled or self.model
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, seen: torch.Tensor,
+            logits_to_keep: int) -> torch.Tensor:
+        if self.length > self.capacity:  # the mask already holds this forward's slots
+            self.grow(bucket(self.length))
+        if self.rows is None:
+            return super().run(input_ids, positions, seen, logits_to_keep)
+        S, L = seen.shape[1:]
+        own = torch.arange(L, device=seen.device)[None, :] == torch.arange(L - S, L, device=seen.device)[:, None]
+        logits = super().run(self.buffered(input_ids, 0), self.buffered(positions, 0),
+                             self.buffered(seen, own), logits_to_keep)  # [R, S, V]
+        return logits[self.rows]  # [B, S, V]
+
+    def buffered(self, live: torch.Tensor, inert) -> torch.Tensor:
+        """live [B, ...] -> [R, ...]: each live row at its buffer row, `inert` in the others."""
+        rows = torch.as_tensor(inert, dtype=live.dtype, device=live.device).expand(self.buffer_rows, *live.shape[1:])
+        return rows.clone().index_copy_(0, self.rows, live)
+
+    def widened(self, seen: torch.Tensor) -> torch.Tensor:
+        """[R, S, C]: the buffers' unwritten slots unseen."""
+        return torch.nn.functional.pad(seen, (0, self.capacity - seen.shape[-1]))
+
+    def grow(self, capacity: int) -> None:
+        """Move the written slots to buffers of `capacity` slots (the write offset unchanged)."""
+        for layer in self.layers:
+            if layer.is_initialized:
+                keys, values = layer.keys, layer.values
+                layer.keys = keys.new_zeros(*keys.shape[:2], capacity, keys.shape[-1])
+                layer.values = values.new_zeros(*values.shape[:2], capacity, values.shape[-1])
+                layer.keys[:, :, : keys.shape[2]] = keys
+                layer.values[:, :, : values.shape[2]] = values
+                fixed_addresses(layer)
+            layer.max_cache_len = capacity
+        self.capacity = capacity
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep the live rows `rows` ([B'] indices of the live rows; the prefill's may repeat one):
+        the others turn inert, or the buffers are rebuilt with R = B' (more rows than the buffers
+        hold: a shared prefill's copies) or R = B' rounded up to a power of two (fewer)."""
+        self.mask = self.mask[rows]
+        rows = rows if self.rows is None else self.rows[rows]  # [B']: their buffer rows
+        B = len(rows)
+        R = B if B > self.buffer_rows else bucket_rows(B)
+        if R == self.buffer_rows:
+            self.rows = rows
+            return
+        kept = torch.cat([rows, rows[:1].expand(R - B)])  # [R]: the live rows, then copies of one, inert
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.keys, layer.values = layer.keys[kept], layer.values[kept]
+                fixed_addresses(layer)
+        self.buffer_rows = R
+        self.rows = None if R == B else torch.arange(B, device=rows.device)
+
+    def take_tree(self, path: torch.Tensor) -> None:
+        if self.rows is not None and self.tree is not None:
+            path = self.buffered(path, torch.arange(path.shape[1], device=path.device))  # [R, K]
+        super().take_tree(path)
+
+    def compact(self, new_length: int) -> None:
+        if not self.length:
+            return
+        valid = self.mask.bool()  # [B, L]
+        order = torch.sort(valid.int(), dim=-1, stable=True).indices[:, self.length - new_length :]  # [B, L']
+        self.mask = self.mask.gather(1, order)
+        if self.rows is not None:
+            order = self.buffered(order, torch.arange(new_length, device=order.device))  # [R, L']
+        for layer in self.layers:
+            index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+            layer.keys[:, :, :new_length] = layer.keys.gather(2, index)
+            layer.values[:, :, :new_length] = layer.values.gather(2, index)
+            layer.cumulative_length.fill_(new_length)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, EncoderDecoderCache
 
 from batchspec.decoding.attention import attention
-from batchspec.decoding.kv_cache import BatchKV
+from batchspec.decoding.kv_cache import BatchKV, Static, StaticKV, uses_alibi
 
 T5_FAMILY = ("t5", "mt5", "umt5")  # a relative position bias (UMT5: in every layer)
 BART_FAMILY = ("bart", "mbart", "marian", "pegasus")  # learned (offset 2) or sinusoidal position embeddings
@@ -145,8 +145,21 @@ class Seq2SeqKV(BatchKV):
         self.source_mask = self.source_mask[rows]
 
 
-def model_cache(model, batch_size: int, device, source: tuple[torch.Tensor, torch.Tensor] | None) -> BatchKV:
-    """A model's cache for a batch: Seq2SeqKV over the source prompts for an encoder–decoder model."""
+def model_cache(model, batch_size: int, device, source: tuple[torch.Tensor, torch.Tensor] | None,
+                static: Static | None = None) -> BatchKV:
+    """A model's cache for a batch: Seq2SeqKV over the source prompts for an encoder–decoder model;
+    with `static`, StaticKV where the model can take one (static_problem)."""
     if model.config.is_encoder_decoder:
         return Seq2SeqKV(model, source)
-    return BatchKV(model, batch_size, device)
+    if static is None or static_problem(model):
+        return BatchKV(model, batch_size, device)
+    return StaticKV(model, batch_size, device, static.capacity, static.compiled)
+
+
+def static_problem(model) -> str | None:
+    """Why a model decodes on today's dynamic cache when a static one is asked (None: it need not)."""
+    if model.config.is_encoder_decoder:
+        return "encoder–decoder models keep a dynamic cache"
+    if uses_alibi(model.config):
+        return f"{model.config.model_type} reads its ALiBi biases from the 2D mask: dynamic cache"
+    return None

@@ -47,21 +47,22 @@ from batchspec.decoding.suffix_index import SuffixIndex
 
 def make_drafter(drafts: list, ngram: tuple[int, int] | None, prompts: list[list[int]], ids: torch.Tensor,
                  mask: torch.Tensor, vocab: int, source: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 jump: JumpDrafter | None = None, tree_width: int = 1, suffix: SuffixIndex | None = None):
+                 jump: JumpDrafter | None = None, tree_width: int = 1, suffix: SuffixIndex | None = None,
+                 static=None):
     """drafts: draft models (none, one, or several: their chains merged into trees); ngram:
     (n_min, n_max) for prompt lookup, or None. ids, mask: [B, P] the left-padded (decoder)
     prompts; vocab: the target's logit width; source: the prompts, right-padded, for an
     encoder–decoder pair; jump: the rows' grammars' forced text, proposed first (None: no
     jump-forward); tree_width > 1: the draft proposes trees; suffix: the run's index of earlier
     completions, looked up (with each row's own text, at the ngram sizes) in place of n-gram
-    lookup. None: no drafter (ar)."""
+    lookup; static: the draft caches' plan (kv_cache.Static; None: dynamic). None: no drafter (ar)."""
     if not drafts and not ngram:
         return None
     models = []
     for draft in drafts:  # an encoder–decoder's decoder prompt is its start, for every row
         newest = [p[-1] for p in prompts] if source is None else [decoder_prefix(draft)[-1]] * len(prompts)
-        models.append(TreeDrafter(draft, ids, mask, vocab, newest, source, width=tree_width) if tree_width > 1
-                      else ModelDrafter(draft, ids, mask, vocab, newest, source))
+        models.append(TreeDrafter(draft, ids, mask, vocab, newest, source, static, width=tree_width)
+                      if tree_width > 1 else ModelDrafter(draft, ids, mask, vocab, newest, source, static))
     model = SeveralDrafters(models) if len(models) > 1 else models[0] if models else None
     lookups = [jump] if jump is not None else []
     if ngram:

@@ -28,13 +28,14 @@ def fit_width(logits: torch.Tensor, vocab: int) -> torch.Tensor:
 
 class ModelDrafter:
     def __init__(self, model, ids: torch.Tensor, mask: torch.Tensor, vocab: int, newest: list[int],
-                 source: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 source: tuple[torch.Tensor, torch.Tensor] | None = None, static=None):
         """A draft that owes each prompt but its last token (the newest, which the prefill's plain
         step adds to what it owes).
         ids, mask: [B, P] left-padded (an encoder–decoder's decoder prompts); vocab: the
         target's logit width; newest: each prompt's last token (host); source: an
-        encoder–decoder draft's prompts, right-padded."""
-        self.kv = model_cache(model, ids.shape[0], ids.device, source)
+        encoder–decoder draft's prompts, right-padded; static: a static cache's plan (kv_cache.Static;
+        None: dynamic)."""
+        self.kv = model_cache(model, ids.shape[0], ids.device, source, static)
         self.vocab = vocab
         self.owed, self.owed_mask = ids[:, :-1], mask[:, :-1]  # [B, P-1]
         self.newest = newest  # host: each row's newest token
