@@ -335,9 +335,10 @@ def int_list(text: str, name: str) -> list[int]:
         "slow them alike; batch: each decodes it whole in turn (holds one batch's caches at a time).")
 @option("--compile", is_flag=True, default=False,
         help="Also transformers' generate on a static cache with a compiled forward, and ar and spec auto with "
-        "compiled step forwards, as `batchspec run --compile` compiles them.")
-@option("--compile-after", type=click.FloatRange(0), default=30.0,
-        help="With --compile: eager seconds at a step shape before it compiles (0: at once).")
+        "compiled step forwards.")
+@option("--compile-after", type=click.FloatRange(0), default=0.0,
+        help="With --compile: eager seconds at a step shape before it compiles. 0: when first met, mostly in the "
+        "warm-up batch, so that no compile runs beside the other cells' timed steps; 30: as a run does.")
 @option("--control", is_flag=True, default=False,
         help="Also ar again, side by side with ar: its speed over ar is how far the machine's noise moves a ratio.")
 @option("--with-options", is_flag=True, default=False,
