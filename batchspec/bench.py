@@ -376,7 +376,8 @@ def methods(pair, batch_size: int, drafters: list[str], gammas: list[int], base:
                               options=schema))
     if compile is not None:
         cells.append(Cell(batch_size, HF + COMPILED, base))
-        cells += [Cell(batch_size, method + COMPILED, replace(base, compiled=compiled_steps(pair, base, compile)), draft)
+        compiled = replace(base, compiled=compiled_steps(pair, base, compile))
+        cells += [Cell(batch_size, method + COMPILED, compiled, draft)
                   for method, draft in [(AR, None)] + [(AUTO, pair.draft)] * ("model" in drafters)]
     if samples > 1:
         cells.append(Cell(batch_size, copies(samples), replace(base, share_prefill=False), samples=samples))
