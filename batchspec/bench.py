@@ -389,8 +389,8 @@ def methods(pair, batch_size: int, drafters: list[str], gammas: list[int], base:
 
 
 def compiled_steps(pair, base: DecodeConfig, after: float) -> Compiled:
-    """A cell's compiled step forwards: a shape compiles after `after` seconds of eager forwards
-    at it, as in a run (so the first pass pays for compiling; each batch's fastest run counts)."""
+    """The compiled cells' step forwards: a shape compiles after `after` seconds of eager forwards
+    at it (0: when first met, in the warm-up batch mostly; 30: as a run does)."""
     return Compiled(slots=base.gamma_max + 1, after=after, device_type=pair.target.device.type)
 
 
@@ -694,9 +694,10 @@ def run_options(cell: Cell) -> dict | None:
     """The `batchspec run` options that decode as the cell does (None: not a run setting)."""
     if cell.options or cell.samples > 1 or cell.method in TRANSFORMERS:
         return None
+    compiled = {"compile": True} if cell.config.compiled else {}
     if cell.policy is None:
-        return {"mode": "ar"} | ({"compile": True} if cell.config.compiled else {})
-    options = {"mode": "spec", "gamma": cell.gamma} | ({"compile": True} if cell.config.compiled else {})
+        return {"mode": "ar"} | compiled
+    options = {"mode": "spec", "gamma": cell.gamma} | compiled
     if cell.config.tree_width > 1:
         options |= {"tree_width": cell.config.tree_width}
     if cell.config.ngram:
