@@ -26,7 +26,9 @@ class Compiled:
         self.compile_seconds = 0.0  # the first compiled call at each shape (compiling, and the forward)
         self.shapes: set[tuple] = set()  # (model, shape) compiled
         self.forwards: dict[int, object] = {}  # id(model) -> its compiled forward (one per model, a graph per shape)
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)  # a shape: a compile
+        settings = torch._dynamo.config  # each shape is a recompile of the forward: allow many (the name before 2.6)
+        limit = "recompile_limit" if hasattr(settings, "recompile_limit") else "cache_size_limit"
+        setattr(settings, limit, max(getattr(settings, limit), 256))
 
     def forward(self, model, shape: tuple):
         """The forward of `model` at `shape` (R, S, C): timed eager while that shape has cost less

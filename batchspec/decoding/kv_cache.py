@@ -31,6 +31,7 @@ from batchspec.decoding.attention import attention
 from batchspec.decoding.compiled import Compiled
 from batchspec.decoding.tree import tree_ancestors
 
+OFFSET_LAYERS = hasattr(StaticLayer(1), "cumulative_length")  # transformers' static layers keep a write offset
 ALIBI_MODELS = {"bloom", "mpt"}  # model types whose forward reads the 2D mask (as do configs with alibi=True)
 SLOT_ALIBI = {"mpt"}  # ALiBi over cache slots, not positions: rollback holes change the output (ar only)
 

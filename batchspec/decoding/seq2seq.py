@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, EncoderDecoderCache
 
 from batchspec.decoding.attention import attention
-from batchspec.decoding.kv_cache import BatchKV, Static, StaticKV, uses_alibi
+from batchspec.decoding.kv_cache import OFFSET_LAYERS, BatchKV, Static, StaticKV, uses_alibi
 
 T5_FAMILY = ("t5", "mt5", "umt5")  # a relative position bias (UMT5: in every layer)
 BART_FAMILY = ("bart", "mbart", "marian", "pegasus")  # learned (offset 2) or sinusoidal position embeddings
@@ -162,4 +162,6 @@ def static_problem(model) -> str | None:
         return "encoder–decoder models keep a dynamic cache"
     if uses_alibi(model.config):
         return f"{model.config.model_type} reads its ALiBi biases from the 2D mask: dynamic cache"
+    if not OFFSET_LAYERS:
+        return "this transformers version's static cache layers keep no write offset: dynamic cache"
     return None
