@@ -1,11 +1,11 @@
 """The run's compiled step forwards (--compile): each model's forward compiled for each shape a
 step meets (buffer rows R, new slots S, buffer slots C) over static caches (kv_cache.StaticKV).
 
-A compile costs tens of seconds (about 45 s for a 135M model on 2 CPU cores), so each shape's is
-bought the way a ski-renter buys skis: its forwards run eagerly until they have cost `after`
+A compile costs tens of seconds (a 135M model on 2 CPU cores: about 45 s cold), so each shape's
+is bought the way a ski-renter buys skis: its forwards run eagerly until they have cost `after`
 seconds, then it compiles. A job shorter than that never compiles, a shape met rarely (a batch's
 last few rows) is never compiled, and a long job pays at most `after` extra per shape it
-compiles. Prefills (long, each of a new length) always run eagerly. Static caches bound the
+compiles. Forwards wider than a step (prefills, each of a new length) always run eagerly. Static caches bound the
 shapes: R is a power of two below the batch size, S at most a step's slots, C a bucket. On CUDA
 the forward is captured as CUDA graphs ("reduce-overhead"), and its logits are copied out of
 the graph's memory before the next replay overwrites them.
