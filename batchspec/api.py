@@ -64,6 +64,8 @@ def check_options(cfg: RunConfig) -> None:
         raise UsageError(f"--gamma must be auto or a whole number >= 1, got {cfg.gamma!r}")
     if cfg.min_new_tokens > cfg.max_new_tokens:
         raise UsageError(f"--min-new-tokens {cfg.min_new_tokens} is over --max-new-tokens {cfg.max_new_tokens}")
+    if cfg.compile_after != RunConfig.compile_after and not cfg.compile:
+        raise UsageError("--compile-after says when --compile compiles: give --compile too")
     check_tree(cfg)
     if any(not stop for stop in cfg.stop):
         raise UsageError("--stop strings must not be empty")

@@ -367,6 +367,8 @@ def bench(debug, batch_sizes, drafters, gammas, tree_widths, compile, compile_af
     kinds = [kind.strip() for kind in drafters.split(",") if kind.strip()]
     if not kinds or set(kinds) - set(DRAFTERS):
         raise click.BadParameter(f"expected some of {', '.join(DRAFTERS)}, got {drafters!r}", param_hint="--drafters")
+    if compile_after and not compile:
+        raise click.BadParameter("says when --compile compiles: give --compile too", param_hint="--compile-after")
 
     def job():
         click.echo(run_bench(batch_sizes=sizes, drafters=kinds, gammas=fixed, tree_widths=widths,

@@ -257,6 +257,7 @@ def test_a_corrupt_gz_is_one_line_of_error(models, tmp_path):
     (["--top-p", "nan"], "not a finite number"),
     (["--repetition-penalty", "inf"], "not a finite number"),
     (["--min-new-tokens", "9", "--max-new-tokens", "3"], "--min-new-tokens 9 is over --max-new-tokens 3"),
+    (["--compile-after", "5"], "--compile-after says when --compile compiles: give --compile too"),
 ])
 def test_loose_options_are_usage_errors_before_any_load(plain_input, tmp_path, args, words):
     refused(run_here(str(plain_input), "--out", str(tmp_path / "out.jsonl"), *args), words)

@@ -2,6 +2,7 @@
 output as the target alone, every drafter and model kind; buffers that grow, roll back, compact."""
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -111,23 +112,28 @@ def test_ar_and_spec_compiled_equal_the_target_alone(case):  # noqa: F811
 
 
 def test_a_shape_compiles_once_its_eager_forwards_cost_as_much(monkeypatch):
-    """Per shape, eager until its forwards have cost `after` seconds, then compiled (timed);
-    forwards wider than a step's slots stay the model's own."""
+    """Per shape, eager until its forwards have cost `after` seconds, then compiled (timed), its
+    position ids given fresh strides; forwards wider than a step's slots stay the model's own."""
     compiles = []
     monkeypatch.setattr(torch, "compile", lambda forward, **settings: compiles.append(settings) or forward)
     clock = iter(range(100))
     monkeypatch.setattr("batchspec.decoding.compiled.time.perf_counter", lambda: next(clock))
-    model = torch.nn.Linear(2, 2)
-    compiled = Compiled(slots=4, after=2.0)
-    x = {"input": torch.ones(1, 2)}
+
+    class Echo(torch.nn.Module):
+        def forward(self, position_ids):
+            return SimpleNamespace(logits=position_ids)
+
+    model, compiled = Echo(), Compiled(slots=4, after=2.0)
+    x = {"position_ids": torch.arange(10).reshape(2, 5)[:, -1:]}  # a [2, 1] slice: its row stride is 5
     assert compiled.forward(model, (1, 5, 64)) is None  # a prefill's width
     for _ in range(2):  # each call "takes" 1 s
         compiled.forward(model, (1, 1, 64))(**x)
     compiled.forward(model, (2, 1, 64))(**x)  # another shape: its own account
     assert compiles == []
     compiled.forward(model, (1, 1, 64))(**x)  # the first compiled call: counted as compiling
-    compiled.forward(model, (1, 1, 64))(**x)
+    out = compiled.forward(model, (1, 1, 64))(**x)
     assert compiles == [{"dynamic": False, "mode": None}]
+    assert out.logits.tolist() == [[4], [9]] and out.logits.stride() == (1, 1)
     assert compiled.summary() == {"compiled_shapes": 1, "compile_seconds": 1.0, "eager_seconds": 3.0}
 
 

@@ -5,10 +5,12 @@ A compile costs tens of seconds (a 135M model on 2 CPU cores: about 45 s cold), 
 is bought the way a ski-renter buys skis: its forwards run eagerly until they have cost `after`
 seconds, then it compiles. A job shorter than that never compiles, a shape met rarely (a batch's
 last few rows) is never compiled, and a long job pays at most `after` extra per shape it
-compiles. Forwards wider than a step (prefills, each of a new length) always run eagerly. Static caches bound the
-shapes: R is a power of two below the batch size, S at most a step's slots, C a bucket. On CUDA
-the forward is captured as CUDA graphs ("reduce-overhead"), and its logits are copied out of
-the graph's memory before the next replay overwrites them.
+compiles. Forwards wider than a step (prefills, each of a new length) always run eagerly.
+Static caches bound the shapes: R is a power of two below the batch size, S at most a step's
+slots, C a bucket. A compiled forward guards on its inputs' strides, so its position ids go in
+as a fresh copy (a [B, 1] slice keeps its parent's row stride, which `contiguous` keeps too). On
+CUDA the forward is captured as CUDA graphs ("reduce-overhead"), and its logits are copied out
+of the graph's memory before the next replay overwrites them.
 """
 
 import time
@@ -43,8 +45,8 @@ class Compiled:
             self.forwards[id(model)] = torch.compile(model.forward, dynamic=False, mode=mode)
         if key not in self.shapes:
             self.shapes.add(key)
-            return self.timed(self.copied(self.forwards[id(model)]), None)
-        return self.copied(self.forwards[id(model)])
+            return self.timed(self.replayed(self.forwards[id(model)]), None)
+        return self.replayed(self.forwards[id(model)])
 
     def timed(self, forward, key: tuple | None):
         """forward, its call's seconds added to the eager seconds of `key` (None: to compile_seconds)."""
@@ -59,13 +61,13 @@ class Compiled:
             return out
         return call
 
-    def copied(self, compiled):
-        """compiled, its logits copied out of a CUDA graph's memory (the next replay reuses it)."""
-        if not self.graphs:
-            return compiled
-        def call(**inputs):
-            out = compiled(**inputs)
-            out.logits = out.logits.clone()
+    def replayed(self, compiled):
+        """compiled, its position ids given fresh strides and (CUDA graphs) its logits copied out
+        of the graph's memory, which the next replay reuses."""
+        def call(position_ids: torch.Tensor, **inputs):
+            out = compiled(position_ids=position_ids.clone(memory_format=torch.contiguous_format), **inputs)
+            if self.graphs:
+                out.logits = out.logits.clone()
             return out
         return call
 

@@ -47,12 +47,6 @@ def cache_keyword(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def fresh(view: torch.Tensor) -> torch.Tensor:
-    """A view's copy with contiguous strides: a compiled forward guards on its inputs' strides
-    (a [B, 1] slice keeps its parent's row stride, and `contiguous` keeps it too)."""
-    return view.clone(memory_format=torch.contiguous_format)
-
-
 def padded(prompts: list[list[int]], device, left: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """prompts -> ids, mask: [B, P], padded on the left (else the right) with id 0, never looked
     at: the mask rules."""
@@ -153,7 +147,7 @@ class BatchKV:
             out = self.forward_of(input_ids.shape[1])(
                 input_ids=input_ids,
                 attention_mask=self.mask if self.alibi else self.attention_masks(seen, positions),
-                position_ids=fresh(positions[:, -input_ids.shape[1] :]),
+                position_ids=positions[:, -input_ids.shape[1] :],
                 use_cache=True,
                 logits_to_keep=logits_to_keep,
                 **{self.cache_keyword: self.cache},
@@ -231,6 +225,10 @@ class BatchKV:
         valid = self.mask.bool()  # [B, L]
         order = torch.sort(valid.int(), dim=-1, stable=True).indices[:, self.length - new_length :]  # [B, L']
         self.mask = self.mask.gather(1, order)
+        self.keep_slots(order)
+
+    def keep_slots(self, order: torch.Tensor) -> None:
+        """Each row's cache slots order [B, L'] (indices into its L), in that order."""
         for layer in self.layers:
             index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
             layer.keys = layer.keys.gather(2, index)
@@ -246,14 +244,15 @@ class Static:
     compiled: Compiled | None = None
 
 
+def power_of_two(n: int) -> int:
+    """The least power of two >= n: buffer rows for n live rows, and (from 64) buffer slots, so
+    that a batch meets few shapes to compile."""
+    return 1 << (n - 1).bit_length()
+
+
 def bucket(slots: int) -> int:
-    """A static buffer's length for `slots`: the next power of two from 64 (few shapes to compile)."""
-    return max(64, 1 << (slots - 1).bit_length())
-
-
-def bucket_rows(rows: int) -> int:
-    """The buffer rows that hold `rows` live rows: the next power of two."""
-    return 1 << (rows - 1).bit_length()
+    """A static buffer's length for `slots`."""
+    return max(64, power_of_two(slots))
 
 
 def fixed_addresses(layer: StaticLayer) -> None:
@@ -332,7 +331,7 @@ class StaticKV(BatchKV):
         self.mask = self.mask[rows]
         rows = rows if self.rows is None else self.rows[rows]  # [B']: their buffer rows
         B = len(rows)
-        R = B if B > self.buffer_rows else bucket_rows(B)
+        R = B if B > self.buffer_rows else power_of_two(B)
         if R == self.buffer_rows:
             self.rows = rows
             return
@@ -349,16 +348,12 @@ class StaticKV(BatchKV):
             path = self.buffered(path, torch.arange(path.shape[1], device=path.device))  # [R, K]
         super().take_tree(path)
 
-    def compact(self, new_length: int) -> None:
-        if not self.length:
-            return
-        valid = self.mask.bool()  # [B, L]
-        order = torch.sort(valid.int(), dim=-1, stable=True).indices[:, self.length - new_length :]  # [B, L']
-        self.mask = self.mask.gather(1, order)
+    def keep_slots(self, order: torch.Tensor) -> None:
+        """In place, at the buffers' front; the write offset moves to its end."""
         if self.rows is not None:
-            order = self.buffered(order, torch.arange(new_length, device=order.device))  # [R, L']
+            order = self.buffered(order, torch.arange(order.shape[1], device=order.device))  # [R, L']
         for layer in self.layers:
             index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
-            layer.keys[:, :, :new_length] = layer.keys.gather(2, index)
-            layer.values[:, :, :new_length] = layer.values.gather(2, index)
-            layer.cumulative_length.fill_(new_length)
+            layer.keys[:, :, : order.shape[1]] = layer.keys.gather(2, index)
+            layer.values[:, :, : order.shape[1]] = layer.values.gather(2, index)
+            layer.cumulative_length.fill_(order.shape[1])
