@@ -9,7 +9,7 @@ from collections import deque
 
 import pytest
 
-from batchspec.decoding.policy import (MARGIN, PROBE_LAST, GammaPolicy, StepCosts, chain_tokens, expected,
+from batchspec.decoding.policy import (PROBE_LAST, GammaPolicy, StepCosts, chain_tokens, expected,
                                        tail_share)
 from batchspec.decoding.step_report import PlanView, StepReport
 
@@ -87,10 +87,9 @@ def batches_speed(cost, lengths, alpha: float = 0.5, alpha_sd: float = 0.0, seed
 
 
 def by_formula(alpha: float, cost, gamma_max: int) -> int:
-    """argmax over gamma of E(alpha, gamma) / T(gamma); a plain step unless that beats it by MARGIN."""
+    """argmax over gamma of E(alpha, gamma) / T(gamma) (the first of equals)."""
     rate = [chain_tokens(alpha, g) / cost(g) for g in range(gamma_max + 1)]
-    best = max(range(gamma_max + 1), key=rate.__getitem__)
-    return best if rate[best] >= (1 + MARGIN) * rate[0] else 0
+    return max(range(gamma_max + 1), key=rate.__getitem__)
 
 
 @pytest.mark.parametrize("alpha, base, per_draft", [
@@ -119,10 +118,10 @@ def settled(policy: GammaPolicy, alpha: float, cost, rows: int = 1) -> GammaPoli
     return policy
 
 
-@pytest.mark.parametrize("gain, chosen", [(0.02, 0), (0.05, 1)])
-def test_a_gain_inside_the_margin_stays_plain(gain, chosen):
-    """gamma 1 promising 2 % more tokens per second than a plain step is not taken (timings are
-    noisy, and the best of noisy estimates is biased up); 5 % is."""
+@pytest.mark.parametrize("gain, chosen", [(-0.02, 0), (0.02, 1)])
+def test_speculation_is_taken_where_it_promises_more_than_a_plain_step(gain, chosen):
+    """gamma 1 promising 2 % more tokens per second than a plain step is taken, 2 % fewer is not
+    (a margin of 3 % read the same as none in the bench: docs/gamma-policy.md)."""
     cost = lambda rows, g: 1.5 / (1 + gain) if g else 1.0  # noqa: E731 (E(0.5, 1) = 1.5 tokens)
     assert settled(GammaPolicy(1), 0.5, cost).plan(PlanView([1000], 0, False)) == (chosen, False)
 
@@ -281,10 +280,22 @@ def test_a_stall_does_not_move_a_cells_cost():
     costs = StepCosts(gamma_max=8)
     for seconds in (1.0, 1.1, 0.9, 3.0):
         costs.add(4, 2, False, seconds)
-    assert costs.cost(4, 2) == pytest.approx(1.05)
+    assert 0.9 <= costs.cost(4, 2) <= 1.1
     for _ in range(3):
         costs.add(4, 2, False, 2.0)
     assert costs.cost(4, 2) == pytest.approx(2.0)
+
+
+def test_a_step_timed_alone_long_after_its_cells_timings_does_not_set_its_cost():
+    """A plain step re-timed once among 100 speculative steps reads slower than plain steps in a
+    run of them (the embedded pair at 8 rows: 62 ms against 45-52): the cell keeps its median."""
+    costs = StepCosts(gamma_max=8)
+    for _ in range(3):
+        costs.add(8, 0, False, 1.0)
+    for _ in range(100):
+        costs.add(8, 1, False, 1.3)
+    costs.add(8, 0, False, 1.3)
+    assert costs.cost(8, 0) == pytest.approx(1.0)
 
 
 def test_a_batch_size_first_met_is_calibrated_and_those_near_it_priced_by_its_ratios():

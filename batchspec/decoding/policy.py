@@ -25,15 +25,13 @@ PRIOR_ALPHA = 0.5  # the run's alpha before any proposal was checked
 PRIOR_WEIGHT = 8.0  # proposals' worth of the prior in the run's alpha (of PRIOR_ALPHA in its overall alpha)
 RUN_DECAY = 0.98  # per speculative step: older proposals weigh less
 PLAIN_DECAY = 0.995  # per plain step: the run's alpha fades towards its overall one, so speculation is retried
-MARGIN = 0.03  # the least gain in work per second over a plain step that speculation needs
 PROBE_FIRST, PROBE_LAST = 16, 512  # plain steps before a probe of speculation (doubling)
 BUDGET = 0.01  # the most of the time a probe or a re-timing expected to lose may take
 RETIME_GAP = 16  # speculative steps at least between two re-timings of another choice
+TIMINGS = 3  # a cell's cost: the median of its last TIMINGS timings
 CALIBRATION = (0, 1, 3)  # gammas timed at a batch size first met, none calibrated within NEAR of it (3: or gamma_max)
-CALIBRATION_RUNS = 3  # timings of each there: one timing (a stall) would set the run's ratios
+CALIBRATION_RUNS = TIMINGS  # timings of each there: one timing (a stall) would set the run's ratios
 NEAR = 2.0  # a batch size within this factor of a calibrated one is priced by its cost ratios
-TIMINGS = 5  # a cell's cost: the median of its last TIMINGS timings
-FRESH = 64  # a cell not timed in the run's last FRESH timings starts again from its next one
 MIN_RISE = 0.05  # the least a proposal adds to a step, in plain steps, on the line through the gammas timed
 PRIOR_FIXED_SHARE = 0.5  # c / T(B, 0) before plain steps were timed at several batch sizes
 FIXED_PRIOR = 8.0  # rows^2: the prior's weight in the line through the plain steps (fixed_share)
@@ -90,23 +88,20 @@ def line(points: dict[float, float], prior: tuple[float, float] = (0.0, 0.0)) ->
 
 class StepCosts:
     """Seconds per step by (rows B, gamma, tree): each cell the median of its last TIMINGS
-    timings, so that one stall does not move it, and a cell not timed in the last FRESH starts
-    again from its next timing (the machine's speed moves in phases; a probe or a re-timing
-    reads the cell anew). Cells not timed are priced along a line through the gammas timed at
-    B, and a batch size not calibrated by the nearest calibrated one's costs, scaled by the
-    cells both timed."""
+    timings, so that one stall does not move it, nor one step timed alone among steps of another
+    choice (a probe's, a re-timing's), which reads slower than in a run of them; a machine that
+    did slow down moves it within two timings. Cells not timed are priced along a line through
+    the gammas timed at B, and a batch size not calibrated by the nearest calibrated one's costs,
+    scaled by the cells both timed."""
 
     def __init__(self, gamma_max: int):
         self.calibration = sorted({min(g, gamma_max) for g in CALIBRATION})  # plain, and two gammas where there are
         self.cells: dict[tuple[int, int, bool], deque] = {}
-        self.known: set[int] = set()  # the batch sizes calibrated
         self.timings = 0
         self.timed_at: dict[tuple[int, int, bool], int] = {}  # a cell -> the timing that last updated it
 
     def add(self, rows: int, gamma: int, tree: bool, seconds: float) -> None:
         cell = (rows, gamma, tree)
-        if self.timings - self.timed_at.get(cell, self.timings) > FRESH:
-            self.cells[cell].clear()
         self.cells.setdefault(cell, deque(maxlen=TIMINGS)).append(seconds)
         self.timings += 1
         self.timed_at[cell] = self.timings
@@ -116,12 +111,8 @@ class StepCosts:
         return statistics.median(timings) if timings else None
 
     def calibrated(self, rows: int) -> bool:
-        """Whether calibration's cells at rows were each timed CALIBRATION_RUNS times (once: a
-        cell that restarts later does not call for it again)."""
-        if rows not in self.known:
-            if all(len(self.cells.get((rows, g, False), ())) >= CALIBRATION_RUNS for g in self.calibration):
-                self.known.add(rows)
-        return rows in self.known
+        """Whether calibration's cells at rows were each timed CALIBRATION_RUNS times."""
+        return all(len(self.cells.get((rows, g, False), ())) >= CALIBRATION_RUNS for g in self.calibration)
 
     def calibrating(self, rows: int) -> int | None:
         """The gamma to time next at `rows` when no batch size within NEAR of it was calibrated
@@ -232,8 +223,8 @@ class GammaPolicy:
         if gamma is not None:
             return gamma, False
         choices = self.choices(view)
-        best = max(choices, key=lambda c: c.rate)  # the first of equals: chains before trees
-        if best.rate < (1 + MARGIN) * choices[0].rate:  # choices[0]: the plain step
+        best = max(choices, key=lambda c: c.rate)  # the first of equals: the plain step, chains before trees
+        if not best.gamma:
             return self.probe(choices, view.behind)
         self.plain_steps, self.probe_gap = 0, PROBE_FIRST
         best = self.retime(rows, best, choices)
