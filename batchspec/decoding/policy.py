@@ -28,9 +28,8 @@ PLAIN_DECAY = 0.995  # per plain step: the run's alpha fades towards its overall
 PROBE_FIRST, PROBE_LAST = 16, 512  # plain steps before a probe of speculation (doubling)
 BUDGET = 0.01  # the most of the time a probe or a re-timing expected to lose may take
 RETIME_GAP = 16  # speculative steps at least between two re-timings of another choice
-TIMINGS = 3  # a cell's cost: the median of its last TIMINGS timings
+TIMINGS = 3  # a cell's cost: the median of its last TIMINGS timings (calibration: its cells full)
 CALIBRATION = (0, 1, 3)  # gammas timed at a batch size first met, none calibrated within NEAR of it (3: or gamma_max)
-CALIBRATION_RUNS = TIMINGS  # timings of each there: one timing (a stall) would set the run's ratios
 NEAR = 2.0  # a batch size within this factor of a calibrated one is priced by its cost ratios
 MIN_RISE = 0.05  # the least a proposal adds to a step, in plain steps, on the line through the gammas timed
 PRIOR_FIXED_SHARE = 0.5  # c / T(B, 0) before plain steps were timed at several batch sizes
@@ -111,8 +110,9 @@ class StepCosts:
         return statistics.median(timings) if timings else None
 
     def calibrated(self, rows: int) -> bool:
-        """Whether calibration's cells at rows were each timed CALIBRATION_RUNS times."""
-        return all(len(self.cells.get((rows, g, False), ())) >= CALIBRATION_RUNS for g in self.calibration)
+        """Whether calibration's cells at rows are full (TIMINGS timings each: one timing, a stall,
+        would set the run's ratios)."""
+        return all(len(self.cells.get((rows, g, False), ())) == TIMINGS for g in self.calibration)
 
     def calibrating(self, rows: int) -> int | None:
         """The gamma to time next at `rows` when no batch size within NEAR of it was calibrated
@@ -120,7 +120,7 @@ class StepCosts:
         if any(self.calibrated(b) and abs(math.log(b / rows)) <= math.log(NEAR) for b, _, _ in self.cells):
             return None
         return next((g for g in self.calibration if not self.calibrated(rows)
-                     and len(self.cells.get((rows, g, False), ())) < CALIBRATION_RUNS), None)
+                     and len(self.cells.get((rows, g, False), ())) < TIMINGS), None)
 
     def estimates(self, rows: int, gamma_max: int, tree: bool = False) -> list[float]:
         """T(rows, g) for g in 0..gamma_max (a tree's: the chain's where no tree was timed): the
