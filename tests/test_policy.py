@@ -248,8 +248,8 @@ def test_a_pair_that_starts_badly_switches_speculation_on_later():
 def test_speculation_stopped_by_a_low_estimate_is_tried_again(alpha, per_draft):
     """gamma 1 at 1 + per_draft plain steps pays 1.1x at acceptance 0.32 (0.2) and 1.125x at 0.8
     (0.6). A chance run of rejections (half the acceptance over 50 proposals, after 500 at it)
-    stops speculation; alpha, measured only while speculating, fades back towards the run's
-    overall one while plain, and speculation resumes."""
+    stops speculation; alpha is measured only while speculating, so the probes' steps measure it
+    again, and speculation resumes."""
     cost = lambda rows, g: 1.0 + per_draft * g  # noqa: E731
     policy = GammaPolicy(1)
     run(policy, lambda step: alpha, cost, steps=300, rows=4)
