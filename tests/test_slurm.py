@@ -1,6 +1,7 @@
 """jobs/slurm_array.sbatch and jobs/merge.sbatch on a real SLURM: Debian's slurmctld and slurmd,
 installed if missing, started here on a generated one-node config (12 CPUs, three fake GPUs
-backed by character devices, requeued jobs restart after 10 s), stopped at the end. Without root
+backed by character devices, requeued jobs restart after 10 s, the scheduler looking for
+eligible jobs every 2 s instead of 60), stopped at the end. Without root
 or apt-get the tests skip and say why."""
 
 import os
@@ -55,6 +56,7 @@ MpiDefault=none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=2
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides
