@@ -232,11 +232,13 @@ def test_a_perfect_draft_grows_gamma_to_the_most():
     assert chosen[-100:].count(8) >= 90  # the others only re-timed now and then
 
 
-def test_a_pair_that_starts_badly_switches_speculation_on_later():
+@pytest.mark.parametrize("per_draft", [0.1, 0.3])
+def test_a_pair_that_starts_badly_switches_speculation_on_later(per_draft):
     """Acceptance 0 for 1500 steps (plain steps win), then 0.9: a probe finds out, and trying
-    cost under 1 % of the time before."""
+    cost under 1 % of the time before. With a dear draft (0.3) a probe's one step cannot lift
+    the run's alpha over what speculation needs: that takes the evidence fading while plain."""
     switch = 1500
-    cost = lambda rows, g: 1.0 + 0.1 * g  # noqa: E731
+    cost = lambda rows, g: 1.0 + per_draft * g  # noqa: E731
     chosen = run(GammaPolicy(8), lambda step: 0.0 if step < switch else 0.9, cost, steps=switch + 2 * PROBE_LAST,
                  rows=4)
     assert sum(cost(1, g) - cost(1, 0) for g in chosen[switch - 500 : switch]) < 0.01 * 500
@@ -244,19 +246,20 @@ def test_a_pair_that_starts_badly_switches_speculation_on_later():
     assert sum(g >= 3 for g in late) > 0.9 * len(late)
 
 
-@pytest.mark.parametrize("alpha, per_draft", [(0.32, 0.2), (0.8, 0.6)])
-def test_speculation_stopped_by_a_low_estimate_is_tried_again(alpha, per_draft):
+@pytest.mark.parametrize("alpha, per_draft, rows", [(0.32, 0.2, 4), (0.8, 0.6, 4), (0.8, 0.6, 1)])
+def test_speculation_stopped_by_a_low_estimate_is_tried_again(alpha, per_draft, rows):
     """gamma 1 at 1 + per_draft plain steps pays 1.1x at acceptance 0.32 (0.2) and 1.125x at 0.8
     (0.6). A chance run of rejections (half the acceptance over 50 proposals, after 500 at it)
-    stops speculation; alpha is measured only while speculating, so the probes' steps measure it
-    again, and speculation resumes."""
+    stops speculation; alpha, measured only while speculating, fades back towards the run's
+    overall one while plain, and speculation resumes (at one row, where a probe checks one or
+    two proposals, probes alone would take thousands of steps)."""
     cost = lambda rows, g: 1.0 + per_draft * g  # noqa: E731
     policy = GammaPolicy(1)
-    run(policy, lambda step: alpha, cost, steps=300, rows=4)
+    run(policy, lambda step: alpha, cost, steps=300, rows=rows)
     policy.accepted, policy.checked = alpha / 2 * 50, 50.0
     policy.run_accepted, policy.run_checked = alpha * 500 + alpha / 2 * 50, 550
-    assert policy.plan(PlanView([1000] * 4, 0, False)) == (0, False)
-    late = run(policy, lambda step: alpha, cost, steps=1000, rows=4, seed=1)[-500:]
+    assert policy.plan(PlanView([1000] * rows, 0, False)) == (0, False)
+    late = run(policy, lambda step: alpha, cost, steps=1000, rows=rows, seed=1)[-500:]
     assert late.count(1) > 0.8 * len(late)
 
 

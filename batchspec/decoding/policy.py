@@ -24,6 +24,7 @@ from batchspec.decoding.step_report import checked as checked_of
 PRIOR_ALPHA = 0.5  # the run's alpha before any proposal was checked
 PRIOR_WEIGHT = 8.0  # proposals' worth of the prior in the run's alpha (of PRIOR_ALPHA in its overall alpha)
 RUN_DECAY = 0.98  # per speculative step: older proposals weigh less
+PLAIN_DECAY = 0.995  # per plain step: the run's alpha fades towards its overall one, so speculation is retried
 PROBE_FIRST, PROBE_LAST = 16, 512  # plain steps before a probe of speculation (doubling)
 BUDGET = 0.01  # the most of the time a probe or a re-timing expected to lose may take
 RETIME_GAP = 16  # speculative steps at least between two re-timings of another choice
@@ -187,8 +188,8 @@ class GammaPolicy:
     @property
     def alpha(self) -> float:
         """The run's acceptance, recent proposals weighing most, with PRIOR_WEIGHT proposals'
-        worth of the higher of PRIOR_ALPHA and all the run's proposals' alpha (plain steps check
-        none: a run that stopped on a low estimate learns more from its probes)."""
+        worth of the higher of PRIOR_ALPHA and all the run's proposals' alpha: evidence fades
+        towards that on plain steps, so a run that stopped on a low estimate tries again."""
         overall = (self.run_accepted + PRIOR_WEIGHT * PRIOR_ALPHA) / (self.run_checked + PRIOR_WEIGHT)
         return (self.accepted + PRIOR_WEIGHT * max(PRIOR_ALPHA, overall)) / (self.checked + PRIOR_WEIGHT)
 
@@ -289,6 +290,8 @@ class GammaPolicy:
         elif report.gamma:
             self.accepted, self.checked = RUN_DECAY * self.accepted + accepted, RUN_DECAY * self.checked + checked
             self.run_accepted, self.run_checked = self.run_accepted + accepted, self.run_checked + checked
+        else:
+            self.accepted, self.checked = PLAIN_DECAY * self.accepted, PLAIN_DECAY * self.checked
         cell = (report.rows, report.gamma, report.tree)
         caught_up = report.gamma and report.behind > 1  # the draft first read what it skipped
         if report.seconds is not None and not caught_up and cell in self.ran:
