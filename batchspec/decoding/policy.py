@@ -119,8 +119,7 @@ class StepCosts:
         (None: none to time)."""
         if any(self.calibrated(b) and abs(math.log(b / rows)) <= math.log(NEAR) for b, _, _ in self.cells):
             return None
-        return next((g for g in self.calibration if not self.calibrated(rows)
-                     and len(self.cells.get((rows, g, False), ())) < TIMINGS), None)
+        return next((g for g in self.calibration if len(self.cells.get((rows, g, False), ())) < TIMINGS), None)
 
     def estimates(self, rows: int, gamma_max: int, tree: bool = False) -> list[float]:
         """T(rows, g) for g in 0..gamma_max (a tree's: the chain's where no tree was timed): the
