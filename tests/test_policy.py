@@ -9,7 +9,7 @@ from collections import deque
 
 import pytest
 
-from batchspec.decoding.policy import (PROBE_LAST, GammaPolicy, StepCosts, chain_tokens, expected,
+from batchspec.decoding.policy import (MARGIN, PROBE_LAST, GammaPolicy, StepCosts, chain_tokens, expected,
                                        tail_share)
 from batchspec.decoding.step_report import PlanView, StepReport
 
@@ -87,9 +87,10 @@ def batches_speed(cost, lengths, alpha: float = 0.5, alpha_sd: float = 0.0, seed
 
 
 def by_formula(alpha: float, cost, gamma_max: int) -> int:
-    """argmax over gamma of E(alpha, gamma) / T(gamma) (the first of equals)."""
+    """argmax over gamma of E(alpha, gamma) / T(gamma); a plain step unless that beats it by MARGIN."""
     rate = [chain_tokens(alpha, g) / cost(g) for g in range(gamma_max + 1)]
-    return max(range(gamma_max + 1), key=rate.__getitem__)
+    best = max(range(gamma_max + 1), key=rate.__getitem__)
+    return best if rate[best] >= (1 + MARGIN) * rate[0] else 0
 
 
 @pytest.mark.parametrize("alpha, base, per_draft", [
@@ -118,10 +119,10 @@ def settled(policy: GammaPolicy, alpha: float, cost, rows: int = 1) -> GammaPoli
     return policy
 
 
-@pytest.mark.parametrize("gain, chosen", [(-0.02, 0), (0.02, 1)])
-def test_speculation_is_taken_where_it_promises_more_than_a_plain_step(gain, chosen):
-    """gamma 1 promising 2 % more tokens per second than a plain step is taken, 2 % fewer is not
-    (a margin of 3 % read the same as none in the bench: docs/gamma-policy.md)."""
+@pytest.mark.parametrize("gain, chosen", [(0.02, 0), (0.05, 1)])
+def test_a_gain_inside_the_margin_stays_plain(gain, chosen):
+    """gamma 1 promising 2 % more tokens per second than a plain step is not taken (timings are
+    noisy, and the best of noisy estimates reads high); 5 % is."""
     cost = lambda rows, g: 1.5 / (1 + gain) if g else 1.0  # noqa: E731 (E(0.5, 1) = 1.5 tokens)
     assert settled(GammaPolicy(1), 0.5, cost).plan(PlanView([1000], 0, False)) == (chosen, False)
 

@@ -1,5 +1,6 @@
 """Which gamma each step: a fixed one, or with auto the one whose expected work per second is the
-most, gamma 0 (a plain target step, the draft sitting out) included. Two calls: plan(view) ->
+most, gamma 0 (a plain target step, the draft sitting out) included, and speculation only where it
+promises MARGIN more than a plain step (the best of noisy estimates reads high). Two calls: plan(view) ->
 (gamma, tree) before a step, record(report) after it; everything the choice reads is kept here.
 
 A step of gamma proposals, each accepted with probability alpha, yields a row
@@ -25,6 +26,7 @@ PRIOR_ALPHA = 0.5  # the run's alpha before any proposal was checked
 PRIOR_WEIGHT = 8.0  # proposals' worth of the prior in the run's alpha (of PRIOR_ALPHA in its overall alpha)
 RUN_DECAY = 0.98  # per speculative step: older proposals weigh less
 PLAIN_DECAY = 0.995  # per plain step: the run's alpha fades towards its overall one, so speculation is retried
+MARGIN = 0.03  # the least gain in work per second over a plain step that speculation needs
 PROBE_FIRST, PROBE_LAST = 16, 512  # plain steps before a probe of speculation (doubling)
 BUDGET = 0.01  # the most of the time a probe or a re-timing expected to lose may take
 RETIME_GAP = 16  # speculative steps at least between two re-timings of another choice
@@ -222,8 +224,8 @@ class GammaPolicy:
         if gamma is not None:
             return gamma, False
         choices = self.choices(view)
-        best = max(choices, key=lambda c: c.rate)  # the first of equals: the plain step, chains before trees
-        if not best.gamma:
+        best = max(choices, key=lambda c: c.rate)  # the first of equals: chains before trees
+        if best.rate < (1 + MARGIN) * choices[0].rate:  # choices[0]: the plain step
             return self.probe(choices, view.behind)
         self.plain_steps, self.probe_gap = 0, PROBE_FIRST
         best = self.retime(rows, best, choices)
