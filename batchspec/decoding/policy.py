@@ -1,7 +1,8 @@
 """Which gamma each step: a fixed one, or with auto the one whose expected work per second is the
-most, gamma 0 (a plain target step, the draft sitting out) included, and speculation only where it
-promises MARGIN more than a plain step (the best of noisy estimates reads high). Two calls: plan(view) ->
-(gamma, tree) before a step, record(report) after it; everything the choice reads is kept here.
+most, gamma 0 (a plain target step, the draft sitting out) included, speculation only where it
+promises MARGIN more than a plain step (the best of noisy estimates reads high). Two calls:
+plan(view) -> (gamma, tree) before a step, record(report) after it; everything the choice reads is
+kept here.
 
 A step of gamma proposals, each accepted with probability alpha, yields a row
 E(alpha, gamma) = (1 - alpha^(gamma+1)) / (1 - alpha) tokens (Leviathan et al. 2023), never more
