@@ -234,3 +234,12 @@ def test_row_output_does_not_depend_on_batch_mates(tiny_pair, gamma):
     other_seed = decode_batch(pair.target, draft, [prompts["b"]], ["b"], DecodeConfig(
         max_new_tokens=24, sampling=config.sampling, gamma=config.gamma, seed=43)).rows[0].token_ids
     assert other_seed != together["b"]  # the seed matters: the check above is not vacuous
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_greedy_takes_the_first_of_tied_highest_logits(dtype):
+    """Greedy picks what argmax picks, ties included (they are common in bfloat16)."""
+    logits = torch.tensor([[1.0, 3.0, 3.0, 2.0], [5.0, 5.0, 5.0, 5.0], [0.0, 1.0, 2.0, 2.0]], dtype=dtype)
+    assert sampling.greedy(logits).tolist() == [1, 0, 2]
+    wide = (torch.randn(8, 3, 49152, generator=torch.Generator().manual_seed(0)) * 3).round().to(dtype)
+    assert torch.equal(sampling.greedy(wide), wide.argmax(-1))

@@ -98,6 +98,12 @@ def first_rejection(accepted: torch.Tensor) -> torch.Tensor:
     return ((~accepted).cumsum(-1) == 0).sum(-1)
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """[..., V] -> [...]: the index of the highest logit, the first of ties, as argmax; torch.max
+    finds it 4x faster on a CPU in bfloat16 (argmax: 18 ms at [16, 4, 151936], 2 cores)."""
+    return logits.max(-1).indices
+
+
 def accept_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor, lengths: torch.Tensor | None = None):
     """Greedy verification: keep proposals while they equal the target's argmax.
 
@@ -107,7 +113,7 @@ def accept_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor, lengt
     Returns n: [B] accepted count, next_token: [B] the target's argmax after the accepted prefix
     (the correction at the first mismatch, or the bonus token when all are accepted).
     """
-    t = target_logits.argmax(-1)  # [B, G+1]
+    t = greedy(target_logits)  # [B, G+1]
     n = first_rejection((draft_tokens == t[:, :-1]) & proposed(draft_tokens, lengths))  # [B]
     return n, t.gather(1, n[:, None]).squeeze(1)
 

@@ -12,6 +12,8 @@ token after it. A tree whose nodes each have one child is the chain of the core 
 
 import torch
 
+from batchspec.decoding.sampling import greedy
+
 
 def tree_ancestors(parents: torch.Tensor, depth: int) -> torch.Tensor:
     """parents [B, S]: each slot's parent slot (-1: none, the slot hangs below the past) ->
@@ -36,7 +38,7 @@ def accept_tree_greedy(logits: torch.Tensor, tokens: torch.Tensor, parents: torc
     the root, level by level; slot 0 past n).
     """
     N = tokens.shape[1]
-    target_next = logits.argmax(-1)  # [B, N+1]: the target's token after each slot
+    target_next = greedy(logits)  # [B, N+1]: the target's token after each slot
     good = tokens == target_next.gather(1, parents)  # [B, N]
     good = torch.cat([torch.ones_like(good[:, :1]), good], dim=1)  # [B, N+1], the root always
     accepted = ~(ancestors & ~good[:, None, :]).any(-1)  # [B, N+1]: every ancestor good

@@ -15,7 +15,7 @@ import torch
 
 from batchspec.decoding.drafters.proposal import Proposal, on_device
 from batchspec.decoding.seq2seq import model_cache
-from batchspec.decoding.sampling import SamplingParams, probabilities, sample
+from batchspec.decoding.sampling import SamplingParams, greedy, probabilities, sample
 
 
 def fit_width(logits: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -61,7 +61,7 @@ class ModelDrafter:
             if process is not None:
                 logits = process(logits, torch.stack(tokens, dim=1) if tokens else last.new_zeros(len(last), 0))
             if params.greedy:
-                x = logits.argmax(-1)
+                x = greedy(logits)
             else:
                 qs.append(probabilities(logits, params))
                 x = sample(qs[-1], u[:, i])
