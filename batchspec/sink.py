@@ -41,7 +41,9 @@ class OutputPaths:
 @contextmanager
 def locked(paths: OutputPaths):
     """Hold an exclusive lock on OUT for the run; a second writer fails at once. The kernel drops
-    the lock when the process dies, kill -9 included."""
+    the lock when the process dies, kill -9 included. The file names the holder's pid while it
+    runs (for that error and `batchspec status`), and nothing once it ended: a pid left there
+    would read as a run still going once the system gives that number to another process."""
     paths.lock.parent.mkdir(parents=True, exist_ok=True)
     with open(paths.lock, "a+") as f:
         try:
@@ -54,7 +56,11 @@ def locked(paths: OutputPaths):
         f.truncate()
         f.write(str(os.getpid()))
         f.flush()
-        yield
+        try:
+            yield
+        finally:
+            f.seek(0)
+            f.truncate()
 
 
 @contextmanager

@@ -141,7 +141,8 @@ def run_on_devices(cfg: RunConfig) -> int:
         config_file.write_text(as_toml(shared.run_options()) + "\n")
         env = worker_env(devices)
         workers = [Worker(i, device, config_file, shared, env) for i, device in enumerate(devices)]
-        say(f"started {len(workers)} workers ({', '.join(devices)}); their logs: {folder}/part-*.log")
+        named = ", ".join(f"{w.device} pid {w.process.pid}" for w in workers)
+        say(f"started {len(workers)} workers ({named}); their logs: {folder}/part-*.log")
         wait(workers, template, input_size(cfg.input, cfg.split, cfg.subset), cfg.progress)
         return finish(workers, template, str(paths.out))
 

@@ -6,7 +6,7 @@ import orjson
 import pytest
 
 from batchspec import Generator
-from test_job import run_cli, sidecar
+from test_job import run_here, sidecar
 
 ROWS = [
     {"id": "plain", "prompt": "the cat sat on the mat and"},
@@ -49,8 +49,8 @@ def run_output(options, tmp_path_factory):
     source, out = root / "in.jsonl", root / "out.jsonl"
     source.write_bytes(b"\n".join(orjson.dumps(row) for row in ROWS) + b"\n")
     flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in options.items()]
-    result = run_cli(str(source), "--out", str(out), "--no-progress", *flags)
-    assert result.returncode == 3, result.stderr
+    result = run_here(str(source), "--out", str(out), "--no-progress", *flags)
+    assert result.exit_code == 3, result.output
     records = [orjson.loads(line) for line in out.read_bytes().splitlines()]
     errors = [orjson.loads(line) for line in sidecar(out, ".errors.jsonl").read_bytes().splitlines()]
     return records, errors

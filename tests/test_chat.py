@@ -14,7 +14,7 @@ from batchspec.config import RunConfig
 from batchspec.errors import UsageError
 from batchspec.models import load_pair
 from batchspec.sources import Fields, Row, RowError, read_jsonl
-from test_job import run_cli
+from test_job import run_here
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +65,9 @@ def test_chat_rows_through_the_cli_equal_target_generate(pair, tiny_pair, tmp_pa
              [{"role": "system", "content": "short"}, {"role": "user", "content": "read a book about water"}]]
     source.write_bytes(b"".join(orjson.dumps({"id": k, "messages": m}) + b"\n" for k, m in enumerate(chats)))
     out = tmp_path / "out.jsonl"
-    result = run_cli(str(source), "--out", str(out), "--target", str(target), "--draft", str(draft),
-                     "--max-new-tokens", "16", "--token-ids", "--no-progress")
-    assert result.returncode == 0, result.stderr
+    result = run_here(str(source), "--out", str(out), "--target", str(target), "--draft", str(draft),
+                      "--max-new-tokens", "16", "--token-ids", "--no-progress")
+    assert result.exit_code == 0, result.output
     records = {r["id"]: r for r in map(orjson.loads, out.read_bytes().splitlines())}
     for k, messages in enumerate(chats):
         ids = torch.tensor([templated(pair.tokenizer, messages)])
@@ -259,10 +259,10 @@ def test_chat_requests_through_the_cli(pair, tiny_pair, tmp_path):
     source.write_bytes(b"".join(orjson.dumps({"custom_id": k, "method": "POST", "url": "/v1/chat/completions",
                                               "body": body}) + b"\n" for k, body in bodies.items()))
     out = tmp_path / "out.jsonl"
-    result = run_cli(str(source), "--out", str(out), "--target", str(target), "--draft", str(draft),
-                     "--max-new-tokens", "8", "--token-ids", "--no-progress", "--chat-template", str(template),
-                     "--chat-template-kwargs", '{"enable_thinking": false}')
-    assert result.returncode == 3, result.stderr  # done, one row in the error file
+    result = run_here(str(source), "--out", str(out), "--target", str(target), "--draft", str(draft),
+                      "--max-new-tokens", "8", "--token-ids", "--no-progress", "--chat-template", str(template),
+                      "--chat-template-kwargs", '{"enable_thinking": false}')
+    assert result.exit_code == 3, result.output  # done, one row in the error file
     records = {r["id"]: r for r in map(orjson.loads, out.read_bytes().splitlines())}
     [error] = map(orjson.loads, out.with_name("out.errors.jsonl").read_bytes().splitlines())
     assert error["id"] == "image" and error["error"]["type"] == "invalid_request"

@@ -13,7 +13,7 @@ from batchspec.buckets import cut
 from batchspec.errors import UsageError
 from batchspec.models import load_pair
 from batchspec.sources import Fields, Row, read_input
-from test_job import run_cli, run_here
+from test_job import run_here
 
 README = """---
 configs:
@@ -71,23 +71,23 @@ def test_dataset_folder_streams_every_row_and_resumes(dataset_folder, models, tm
     out = tmp_path / "out.jsonl"
     args = [str(dataset_folder), "--split", "train", "--prompt-field", "question", "--id-field", "qid",
             "--out", str(out), *models]
-    result = run_cli(*args)
-    assert result.returncode == 0, result.stderr
+    result = run_here(*args)
+    assert result.exit_code == 0, result.output
     first = sorted(out.read_bytes().splitlines())
     assert sorted(r["id"] for r in map(orjson.loads, first)) == sorted(f"q{k}" for k in range(25))
     out.write_bytes(b"".join(line + b"\n" for line in first[:10]))  # as if killed after 10 rows
-    result = run_cli(*args)
-    assert result.returncode == 0, result.stderr
-    assert "resuming" in result.stderr and sorted(out.read_bytes().splitlines()) == first
+    result = run_here(*args)
+    assert result.exit_code == 0, result.output
+    assert "resuming" in result.output and sorted(out.read_bytes().splitlines()) == first
 
 
 def test_dataset_split_and_subset(dataset_folder, models, tmp_path):
     out = tmp_path / "test.jsonl"
     base = [str(dataset_folder), "--prompt-field", "question", "--id-field", "qid", *models]
-    assert run_cli(*base, "--split", "test", "--out", str(out)).returncode == 0
+    assert run_here(*base, "--split", "test", "--out", str(out)).exit_code == 0
     assert {r["id"] for r in records(out)} == {"q100", "q101", "q102", "q103"}
     out = tmp_path / "hard.jsonl"
-    assert run_cli(*base, "--subset", "hard", "--out", str(out)).returncode == 0
+    assert run_here(*base, "--subset", "hard", "--out", str(out)).exit_code == 0
     assert {r["id"] for r in records(out)} == {"h1", "h2"}
 
 
@@ -142,8 +142,8 @@ def test_openai_batch_rows_with_per_row_options(tiny_pair, models, tmp_path):
         + request("embed", {"model": "m", "input": "x"}, url="/v1/embeddings")
     )
     out = tmp_path / "out.jsonl"
-    result = run_cli(str(source), "--out", str(out), *models, "--output-format", "openai")
-    assert result.returncode == 3, result.stderr
+    result = run_here(str(source), "--out", str(out), *models, "--output-format", "openai")
+    assert result.exit_code == 3, result.output
     by_id = {r["custom_id"]: r for r in records(out)}
     assert set(by_id) == {"short", "long", "text", "hot", "hot3", "top1", "stop", "stopid", "noeos", "lp", "textlp",
                           "bias"}
@@ -192,7 +192,7 @@ def test_openai_batch_rows_with_per_row_options(tiny_pair, models, tmp_path):
     assert unstopped["batchspec"]["token_ids"][: len(full)] == full and unstopped["usage"]["completion_tokens"] == 10
     assert unstopped["choices"][0]["finish_reason"] == "length"
     again = tmp_path / "again.jsonl"
-    assert run_cli(str(source), "--out", str(again), *models, "--output-format", "openai").returncode == 3
+    assert run_here(str(source), "--out", str(again), *models, "--output-format", "openai").exit_code == 3
     hot_again = {r["custom_id"]: r for r in records(again)}["hot"]["response"]["body"]["batchspec"]["token_ids"]
     assert hot_again == hot  # the row's seed fixes its sample
 
@@ -217,8 +217,8 @@ def test_keep_fields_and_output_loads_as_a_dataset(models, tmp_path):
         {"prompt": "then went home", "score": 2.0},
     ]))
     out = tmp_path / "out.jsonl"
-    result = run_cli(str(source), "--out", str(out), *models, "--keep-fields", "topic,score")
-    assert result.returncode == 0, result.stderr
+    result = run_here(str(source), "--out", str(out), *models, "--keep-fields", "topic,score")
+    assert result.exit_code == 0, result.output
     rows = {r["id"]: r for r in records(out)}
     assert set(rows) == {"7", "b", "3"}  # ids are strings: one type per file
     assert rows["7"]["topic"] == "pets" and rows["b"]["score"] is None and rows["3"]["score"] == 2.0

@@ -40,8 +40,8 @@ def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
 
 def run_here(*args: str):
-    """`batchspec run ARGS` in this process (no interpreter start-up), for runs that stop early:
-    the exit code and stdout + stderr of a click Result."""
+    """`batchspec run ARGS` in this process (no interpreter start-up of seconds), for runs whose
+    process is not what a test is about: the exit code and stdout + stderr of a click Result."""
     return CliRunner().invoke(main, ["run", *args])
 
 
@@ -144,8 +144,8 @@ def test_kill_9_then_resume_gives_the_uninterrupted_result(setup, tmp_path, mome
     assert process.wait() == -signal.SIGKILL  # it really died mid-run
     written = out.read_bytes().count(b"\n") if out.exists() else 0
     assert written < ROWS
-    result = run_cli(str(setup["input"]), "--out", str(out), *setup["models"])
-    assert result.returncode == 3, result.stderr
+    result = run_here(str(setup["input"]), "--out", str(out), *setup["models"])  # the resume: in process
+    assert result.exit_code == 3, result.output
     assert_same_as_reference(out, setup)
 
 
@@ -155,7 +155,7 @@ def test_n_samples_survive_kill_9_and_resume(setup, tmp_path):
     small = write_input(tmp_path / "small.jsonl", rows=12)
     args = [*setup["models"], "--n", "3", "--temperature", "1.0", "--batch-size", "9", "--max-new-tokens", "12"]
     reference, out = tmp_path / "reference.jsonl", tmp_path / "out.jsonl"
-    assert run_cli(str(small), "--out", str(reference), *args).returncode == 3
+    assert run_here(str(small), "--out", str(reference), *args).exit_code == 3
     records = [orjson.loads(line) for line in lines(reference)]
     assert all(len(r["samples"]) == 3 and "completion" not in r for r in records)
     assert all(r["stats"]["completion_tokens"] == sum(len(s["token_ids"]) for s in r["samples"]) for r in records)
@@ -165,7 +165,7 @@ def test_n_samples_survive_kill_9_and_resume(setup, tmp_path):
     loaded = load_dataset("json", data_files=str(reference), split="train")
     assert [len(samples) for samples in loaded["samples"]] == [3] * len(records)
     single = tmp_path / "single.jsonl"  # the first of n samples is what n = 1 gives
-    assert run_cli(str(small), "--out", str(single), *setup["models"], *args[-6:]).returncode == 3
+    assert run_here(str(small), "--out", str(single), *setup["models"], *args[-6:]).exit_code == 3
     firsts = {r["id"]: r["samples"][0]["token_ids"] for r in records}
     assert {r["id"]: r["token_ids"] for r in map(orjson.loads, lines(single))} == firsts
     process = subprocess.Popen(cli(str(small), "--out", str(out), *args), env=ENV, stderr=subprocess.DEVNULL)
@@ -173,7 +173,7 @@ def test_n_samples_survive_kill_9_and_resume(setup, tmp_path):
     process.kill()
     assert process.wait() == -signal.SIGKILL
     assert out.read_bytes().count(b"\n") < len(records)
-    assert run_cli(str(small), "--out", str(out), *args).returncode == 3
+    assert run_here(str(small), "--out", str(out), *args).exit_code == 3
     assert lines(out) == lines(reference)
 
 
@@ -182,10 +182,11 @@ def test_torn_last_line_is_dropped_and_redone(setup, tmp_path):
     reference_lines = setup["reference"].read_bytes().splitlines(keepends=True)
     out.write_bytes(b"".join(reference_lines[:10]) + reference_lines[10][:25])  # killed mid-write
     shutil.copy(sidecar(setup["reference"], ".run.json"), sidecar(out, ".run.json"))
-    result = run_cli(str(setup["input"]), "--out", str(out), *setup["models"])
-    assert result.returncode == 3, result.stderr
-    assert "resuming" in result.stderr
+    result = run_here(str(setup["input"]), "--out", str(out), *setup["models"])
+    assert result.exit_code == 3, result.output
+    assert "resuming" in result.output
     assert_same_as_reference(out, setup)
+    assert sidecar(out, ".lock").read_text() == ""  # no pid of a run that ended, though this process lives on
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1])
@@ -202,8 +203,7 @@ def test_stop_signal_exits_75_then_rerun_completes(setup, tmp_path, signum):
     assert summary["finished"] is False and summary["exit_code"] == 75
     assert all(orjson.loads(line) for line in out.read_bytes().splitlines())  # nothing torn
     assert out.read_bytes().count(b"\n") < ROWS
-    result = run_cli(str(setup["input"]), "--out", str(out), *setup["models"])
-    assert result.returncode == 3
+    assert run_here(str(setup["input"]), "--out", str(out), *setup["models"]).exit_code == 3
     assert_same_as_reference(out, setup)
     assert orjson.loads(sidecar(out, ".summary.json").read_bytes())["finished"] is True
 
@@ -263,15 +263,14 @@ def test_second_writer_is_refused_at_once(setup, tmp_path):
 def test_changed_options_refuse_to_resume_unless_overwrite(setup, tmp_path):
     out = tmp_path / "out.jsonl"
     small = write_input(tmp_path / "small.jsonl", rows=6)
-    assert run_cli(str(small), "--out", str(out), *setup["models"]).returncode == 3
+    assert run_here(str(small), "--out", str(out), *setup["models"]).exit_code == 3
     changed = [*setup["models"], "--max-new-tokens", "5"]
-    result = run_cli(str(small), "--out", str(out), *changed)
+    result = run_cli(str(small), "--out", str(out), *changed)  # the installed command's refusal
     assert result.returncode == 2 and "max_new_tokens" in result.stderr and "--overwrite" in result.stderr
     for other in (["--output-format", "openai"], ["--logprobs", "2"]):  # records of another shape
         result = run_here(str(small), "--out", str(out), *setup["models"], *other)
         assert result.exit_code == 2 and "--overwrite" in result.output
-    result = run_cli(str(small), "--out", str(out), *changed, "--overwrite")
-    assert result.returncode == 3
+    assert run_here(str(small), "--out", str(out), *changed, "--overwrite").exit_code == 3
     assert all(len(orjson.loads(line)["token_ids"]) <= 5 for line in out.read_bytes().splitlines())
 
 
@@ -330,8 +329,8 @@ def test_ngram_and_hybrid_drafts_write_the_target_alones_records(setup, tmp_path
     records, summaries = {}, {}
     for name, args in runs.items():
         out = tmp_path / f"{name}.jsonl"
-        result = run_cli(str(source), "--out", str(out), *common, *args)
-        assert result.returncode == 0, result.stderr
+        result = run_here(str(source), "--out", str(out), *common, *args)
+        assert result.exit_code == 0, result.output
         records[name] = {r["id"]: r for r in map(orjson.loads, out.read_bytes().splitlines())}
         summaries[name] = orjson.loads(sidecar(out, ".summary.json").read_bytes())
     token_ids = {name: {k: r["token_ids"] for k, r in rows.items()} for name, rows in records.items()}
@@ -379,7 +378,7 @@ def test_generation_options_for_every_row(setup, tmp_path):
     options = ["--stop", " the", "--stop", "zzz", "--logprobs", "2", "--repetition-penalty", "1.5",
                "--frequency-penalty", "0.5", "--presence-penalty", "0.2", "--min-new-tokens", "2",
                "--logit-bias", "5=-100"]
-    assert run_cli(str(small), "--out", str(out), *setup["models"], *options).returncode == 3
+    assert run_here(str(small), "--out", str(out), *setup["models"], *options).exit_code == 3
     records = [orjson.loads(line) for line in lines(out)]
     assert sum(r["token_ids"] != reference[r["id"]]["token_ids"] for r in records) >= len(records) // 2
     for r in records:
@@ -409,10 +408,10 @@ def test_dry_run_needs_no_weights(setup, tmp_path):
     no_weights = tmp_path / "target-no-weights"
     shutil.copytree(setup["target"], no_weights, ignore=shutil.ignore_patterns("*.safetensors"))
     out = tmp_path / "out.jsonl"
-    result = run_cli(str(setup["input"]), "--out", str(out), "--target", str(no_weights), "--dry-run")
-    assert result.returncode == 3, result.stderr
-    assert f"{ROWS} rows ok, {len(BAD)} errors" in result.stderr
-    assert "duplicate_id: 1" in result.stderr and "batches: " in result.stderr
+    result = run_here(str(setup["input"]), "--out", str(out), "--target", str(no_weights), "--dry-run")
+    assert result.exit_code == 3, result.output
+    assert f"{ROWS} rows ok, {len(BAD)} errors" in result.output
+    assert "duplicate_id: 1" in result.output and "batches: " in result.output
     assert not out.exists() and not list(tmp_path.glob("out*"))
 
 

@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from batchspec.api import Generator
-from test_job import ENV, cli, lines, run_cli, run_here, sidecar, wait_for_records, write_input
+from test_job import ENV, cli, lines, run_here, sidecar, wait_for_records, write_input
 
 ray = pytest.importorskip("ray", reason="the ray extra: pip install 'batchspec[ray]'")
 ROWS = 48
@@ -41,7 +41,7 @@ def setup(tiny_pair, tmp_path_factory):
               "--batch-size", "4", "--window", "8", "--no-progress", "--token-ids"]
     source = write_input(root / "in.jsonl", rows=ROWS)
     reference = root / "reference.jsonl"
-    assert run_cli(str(source), "--out", str(reference), *models).returncode == 3
+    assert run_here(str(source), "--out", str(reference), *models).exit_code == 3
     return {"input": source, "models": models, "reference": reference, "target": target, "draft": draft}
 
 

@@ -16,7 +16,7 @@ import orjson
 import pytest
 
 from debian import install
-from test_job import ENV, lines, run_cli, sidecar, write_input
+from test_job import ENV, lines, run_here, sidecar, write_input
 
 REPO = Path(__file__).resolve().parents[1]
 TOOLS = ("slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "sinfo")
@@ -133,7 +133,7 @@ def job_setup(tiny_pair, root: Path, rows: int) -> tuple[Path, list[str], Path]:
     (root / "logs").mkdir()
     source = write_input(root / "in.jsonl", rows=rows)
     whole = root / "whole.jsonl"
-    assert run_cli(str(source), "--out", str(whole), *models, "--no-progress").returncode == 3
+    assert run_here(str(source), "--out", str(whole), *models, "--no-progress").exit_code == 3
     return source, models, whole
 
 

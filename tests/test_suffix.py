@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from batchspec import Generator
-from test_job import ENV, cli, lines, run_cli, wait_for_records, write_input
+from test_job import ENV, cli, lines, run_here, wait_for_records, write_input
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +18,7 @@ def setup(tiny_pair, tmp_path_factory):
     source = write_input(root / "in.jsonl", rows=60)
     common = ["--target", str(target), "--max-new-tokens", "24", "--batch-size", "4", "--no-progress", "--token-ids"]
     reference = root / "ar.jsonl"
-    assert run_cli(str(source), "--out", str(reference), *common, "--mode", "ar").returncode == 3
+    assert run_here(str(source), "--out", str(reference), *common, "--mode", "ar").exit_code == 3
     return {"input": source, "common": common, "reference": reference, "target": target, "draft": draft}
 
 
@@ -30,8 +30,8 @@ def token_ids(path) -> dict:
 def test_greedy_suffix_drafting_equals_the_target_alone(setup, tmp_path, drafter):
     out = tmp_path / "out.jsonl"
     drafter = [*drafter, "--draft", str(setup["draft"])] if drafter == ["--suffix"] else drafter
-    result = run_cli(str(setup["input"]), "--out", str(out), *setup["common"], *drafter)
-    assert result.returncode == 3, result.stderr
+    result = run_here(str(setup["input"]), "--out", str(out), *setup["common"], *drafter)
+    assert result.exit_code == 3, result.output
     assert token_ids(out) == token_ids(setup["reference"])
     summary = orjson.loads(out.with_name("out.summary.json").read_bytes())
     assert summary["suffix_steps"] > 0  # the suffix drafter proposed
@@ -45,7 +45,7 @@ def test_a_killed_suffix_run_resumes_to_the_same_records(setup, tmp_path):
     wait_for_records(out, 8, process)
     process.kill()
     assert process.wait() == -signal.SIGKILL
-    assert run_cli(str(setup["input"]), "--out", str(out), *args).returncode == 3
+    assert run_here(str(setup["input"]), "--out", str(out), *args).exit_code == 3
     assert token_ids(out) == token_ids(setup["reference"])
 
 

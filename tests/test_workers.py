@@ -2,6 +2,7 @@
 CPU workers against the single-process run of the same input."""
 
 import os
+import re
 import signal
 import subprocess
 from types import SimpleNamespace
@@ -16,7 +17,13 @@ from test_job import (ENV, assert_same_as_reference, cli, run_cli, run_here, set
 
 
 def devices_run(setup, out) -> list[str]:
-    return cli(str(setup["input"]), "--out", str(out), *setup["models"], "--devices", "cpu,cpu")
+    return cli(*devices_args(setup, out))
+
+
+def devices_args(job: dict, out, devices: str = "cpu,cpu") -> list[str]:
+    """`batchspec run`'s arguments for the job's input on CPU workers; the parent runs in this
+    process (run_here) where only the workers' processes are what a test is about."""
+    return [str(job["input"]), "--out", str(out), *job["models"], "--devices", devices]
 
 
 def shard_summaries(out, shards=(0, 1)) -> list[dict]:
@@ -27,8 +34,8 @@ def shard_summaries(out, shards=(0, 1)) -> list[dict]:
 def test_two_cpu_workers_make_one_run(setup, tmp_path):
     out = tmp_path / "out.jsonl"
     sidecar(out, ".run.json").write_text("{}")  # OUT begun by a run without --devices
-    refused = subprocess.run(devices_run(setup, out), env=ENV, capture_output=True, text=True, timeout=300)
-    assert refused.returncode == 2 and "without --devices" in refused.stderr
+    refused = run_here(*devices_args(setup, out))
+    assert refused.exit_code == 2 and "without --devices" in refused.output
     result = subprocess.run([*devices_run(setup, out), "--overwrite"], env=ENV, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 3, result.stderr
@@ -36,14 +43,13 @@ def test_two_cpu_workers_make_one_run(setup, tmp_path):
     summaries = shard_summaries(out)
     assert [(s["options"]["num_shards"], s["options"]["shard_index"]) for s in summaries] == [(2, 0), (2, 1)]
     assert all(s["finished"] and s["rows_ok"] > 0 and s["models"]["device"] == "cpu" for s in summaries)
-    pids = {(out.with_suffix(".shards") / f"part-{i}.lock").read_text() for i in range(2)}
+    pids = set(re.findall(r"cpu pid (\d+)", result.stderr))
     assert len(pids) == 2  # two worker processes
     merged = orjson.loads(sidecar(out, ".summary.json").read_bytes())
     assert merged["finished"] and merged["rows_ok"] == sum(s["rows_ok"] for s in summaries)
     assert "merged from 2 workers" in result.stderr
-    three = [*devices_run(setup, out)[:-1], "cpu,cpu,cpu"]  # shards of another size: their rows differ
-    refused = subprocess.run(three, env=ENV, capture_output=True, text=True, timeout=300)
-    assert refused.returncode == 2 and "started on 2 devices" in refused.stderr
+    refused = run_here(*devices_args(setup, out, "cpu,cpu,cpu"))  # shards of another size: their rows differ
+    assert refused.exit_code == 2 and "started on 2 devices" in refused.output
 
 
 def test_a_dead_worker_is_reported_and_its_shard_resumes(setup, tmp_path):
@@ -58,8 +64,8 @@ def test_a_dead_worker_is_reported_and_its_shard_resumes(setup, tmp_path):
     assert "rerun the same command" in stderr and "Traceback" not in stderr
     assert not out.exists()  # nothing merged
     assert shard_summaries(out, [0])[0]["finished"]  # the other worker went on to the end
-    result = subprocess.run(devices_run(setup, out), env=ENV, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 3, result.stderr
+    result = run_here(*devices_args(setup, out))
+    assert result.exit_code == 3, result.output
     assert_same_as_reference(out, setup)
 
 
@@ -74,8 +80,8 @@ def test_a_stop_signal_reaches_every_worker(setup, tmp_path):
     assert summaries[0]["exit_code"] == 75  # the signal came while worker 0 was decoding
     assert all(s["exit_code"] == 75 or s["finished"] for s in summaries)  # worker 1 may have finished first
     assert not out.exists()
-    result = subprocess.run(devices_run(setup, out), env=ENV, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 3, result.stderr
+    result = run_here(*devices_args(setup, out))
+    assert result.exit_code == 3, result.output
     assert_same_as_reference(out, setup)
 
 
