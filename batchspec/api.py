@@ -27,7 +27,7 @@ from batchspec.decoding.suffix_index import SuffixIndex
 from batchspec.defaults import default_draft, default_target
 from batchspec.errors import UsageError, say
 from batchspec.memory import HEADROOM, batch_bytes, free_bytes
-from batchspec.models import ModelPair, context_length, load_config, load_pair, unapplied_settings
+from batchspec.models import ModelPair, context_length, load_config, load_pair, rope_window, unapplied_settings
 from batchspec.records import RecordMaker
 from batchspec.request_body import SAMPLES, SAMPLING_KEYS
 from batchspec.sources import Fields, Row, RowError, parse_object, unique_ids
@@ -136,10 +136,17 @@ def run_row_options(cfg: RunConfig, vocab: int, generation_config) -> RowOptions
                       logit_bias=bias, logprobs=cfg.logprobs, grammar=run_grammar(cfg))
 
 
+def lookahead(cfg: RunConfig) -> int:
+    """The most positions a step verifies past a row's newest token (gamma_max: a chain, a tree's
+    depth, a grammar's jump-forward)."""
+    return cfg.gamma_max if cfg.mode == "spec" else 0
+
+
 def models_context(cfg: RunConfig) -> int | None:
     """The longest sequence every model of the run takes, from their configs (no weights read)."""
     specs = [cfg.target] + ([cfg.draft_model, *cfg.more_drafts] if cfg.draft_model else [])
-    return min((n for n in (context_length(load_config(spec)) for spec in specs) if n is not None), default=None)
+    lengths = (context_length(load_config(spec), lookahead(cfg)) for spec in specs)
+    return min((n for n in lengths if n is not None), default=None)
 
 
 def line_cap(cfg: RunConfig, context: int | None) -> int:
@@ -246,7 +253,7 @@ class Generator:
             tree_width=cfg.tree_width, compiled=compiled_steps(cfg, self.pair), **self.pair.forced_tokens)
         self.policy = self.decode_config.policy(trees=cfg.tree_width > 1 or bool(cfg.more_drafts))  # the run's
         self.row_options = run_row_options(cfg, len(self.pair.tokenizer), self.pair.target.generation_config)
-        self.encode = encoder(cfg, self.pair.tokenizer, self.pair.context_length, self.row_options)
+        self.encode = encoder(cfg, self.pair.tokenizer, self.pair.context_length(lookahead(cfg)), self.row_options)
         self.make_record = record_maker(cfg, self.pair.tokenizer)
         self.fields = Fields(prompt=cfg.prompt_field, id=cfg.id_field, messages=cfg.messages_field,
                              tools=cfg.tools_field)
@@ -263,7 +270,7 @@ class Generator:
 
     @property
     def line_cap(self) -> int:
-        return line_cap(self.config, self.pair.context_length)
+        return line_cap(self.config, self.pair.context_length(lookahead(self.config)))
 
     def decoded(self, items: Iterable[Row | RowError]) -> Iterator[Decoded | RowError]:
         """Parsed rows (and the errors met parsing them) -> error rows as they come, and the
@@ -364,6 +371,12 @@ def check_pair(cfg: RunConfig, pair: ModelPair) -> None:
         kind = pair.target.config.model_type.upper()
         raise UsageError(f"{cfg.target!r} is an {kind} model, whose ALiBi counts cache slots: the holes rejected "
                          "proposals leave would change its output; run it with --mode ar")
+    window = rope_window(pair.target.config)
+    if window is not None:
+        say(f"warning: the target's rope rescales past {window} positions by the longest row of each forward "
+            f"(transformers' dynamic NTK or LongRoPE): rows are decoded within {pair.context_length(lookahead(cfg))} "
+            "tokens of prompt and completion, as generate() would decode them alone; longer ones are too_long "
+            "errors (--truncate cuts them)")
     unapplied = unapplied_settings(pair.target)
     if unapplied:
         say(f"warning: the target's generation config sets {', '.join(unapplied)}, which batchspec does not apply "

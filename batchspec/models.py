@@ -167,7 +167,10 @@ def check_layers(model, spec: str) -> None:
 
 UNAPPLIED = {  # generation config settings batchspec does not apply, and their neutral values
     "num_beams": 1, "no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0, "min_length": 0,
-    "bad_words_ids": None, "sequence_bias": None, "suppress_tokens": None, "begin_suppress_tokens": None,
+    "min_new_tokens": 0, "bad_words_ids": None, "sequence_bias": None, "suppress_tokens": None,
+    "begin_suppress_tokens": None, "exponential_decay_length_penalty": None, "encoder_repetition_penalty": 1.0,
+    "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None, "guidance_scale": 1.0,
+    "watermarking_config": None, "stop_strings": None,
 }
 
 
@@ -202,8 +205,30 @@ def eos_token_ids(model, tokenizer) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
-def context_length(config) -> int | None:
-    return getattr(config, "max_position_embeddings", None)
+def rope_window(config) -> int | None:
+    """The positions a rope that rescales by each forward's longest position (dynamic NTK,
+    LongRoPE) leaves unscaled (None: no such rope). Past them transformers rescales every row of
+    a forward by its longest one, and generate() re-encodes a row that crosses them (Phi-3): a
+    row there would depend on its batch mates and on how far its proposals reach."""
+    text = config.get_text_config(decoder=True)
+    params = getattr(text, "rope_parameters", None) or {}
+    per_layer = params and all(isinstance(p, dict) for p in params.values())  # {layer type: its rope}
+    windows = []
+    for rope in params.values() if per_layer else [params]:
+        kind = rope.get("rope_type") or rope.get("type") or "default"
+        if "dynamic" in kind:
+            windows.append(text.max_position_embeddings)
+        elif kind == "longrope":
+            windows.append(rope.get("original_max_position_embeddings") or text.original_max_position_embeddings)
+    return min(windows, default=None)
+
+
+def context_length(config, lookahead: int = 0) -> int | None:
+    """The longest row (prompt and completion) the model decodes as generate() does: its
+    max_position_embeddings, or within a length-scaled rope's window (rope_window) less
+    `lookahead`, the positions a step verifies past a row's newest token."""
+    longest, window = getattr(config, "max_position_embeddings", None), rope_window(config)
+    return longest if window is None else min(window - lookahead, longest or window)
 
 
 def load_config(spec: str):
@@ -235,10 +260,10 @@ class ModelPair:
         config = self.target.generation_config
         return {name: getattr(config, name, None) for name in ("forced_bos_token_id", "forced_eos_token_id")}
 
-    @property
-    def context_length(self) -> int | None:
-        """The longest sequence both models can take (a draft may have the shorter context)."""
-        lengths = [context_length(m.config) for m in (self.target, *self.drafts)]
+    def context_length(self, lookahead: int = 0) -> int | None:
+        """The longest sequence every model takes (a draft may have the shorter context);
+        lookahead: as context_length's."""
+        lengths = [context_length(m.config, lookahead) for m in (self.target, *self.drafts)]
         return min((n for n in lengths if n is not None), default=None)
 
 

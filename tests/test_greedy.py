@@ -6,6 +6,7 @@ import random
 import shutil
 from collections import Counter
 
+import orjson
 import pytest
 import torch
 from transformers import GenerationConfig
@@ -17,6 +18,7 @@ from batchspec.models import load_pair
 from batchspec.tiny import perturbed, shallow
 
 from policies import Scripted
+from test_job import run_here
 
 FAMILIES = ["llama", "qwen2", "gpt2"]
 MAX_NEW = 40
@@ -427,3 +429,44 @@ def test_per_row_max_new_tokens(case):
     for row, full, limit in zip(out.rows, expected, limits):
         assert row.token_ids == full[:limit]
         assert row.finish_reason == ("stop" if full[len(row.token_ids) - 1] in pair.eos_token_ids else "length")
+
+
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+            "long_factor": [4.0 + i for i in range(8)], "original_max_position_embeddings": 48}
+ROPES = {  # config changes: a rope that rescales by each forward's longest position, unscaled within 48
+    "dynamic": ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0},
+                          "max_position_embeddings": 48}),
+    "longrope": ("phi3", {"rope_parameters": LONGROPE, "original_max_position_embeddings": 48,
+                          "max_position_embeddings": 1024}),
+}
+
+
+@pytest.mark.parametrize("rope", ROPES)
+def test_a_rope_scaled_by_length_is_decoded_within_its_window(tiny_pair, tmp_path, rope):
+    """Dynamic NTK and LongRoPE rescale every row of a forward by its longest position (and
+    generate() re-encodes a Phi-3 row that crosses the window): rows are decoded within the 48
+    positions less gamma_max (8), each exactly as generate() alone, beside rows past them (one
+    whose proposals alone would cross), which are too_long records; the run says why."""
+    family, changes = ROPES[rope]
+    models = {}
+    for name, path in zip(("target", "draft"), tiny_pair(family)):
+        models[name] = tmp_path / name
+        shutil.copytree(path, models[name])
+        config = orjson.loads((models[name] / "config.json").read_bytes())
+        config.update(changes)
+        (models[name] / "config.json").write_bytes(orjson.dumps(config))
+    pair = load_pair(str(models["target"]), dtype="float32", device="cpu")
+    rng = random.Random(0)
+    words = [" ".join(rng.choices(["the", "cat", "sat", "on", "a", "mat", "then", "ran"], k=k)) for k in (3, 30, 14, 26)]
+    prompts = [pair.tokenizer(w)["input_ids"] for w in words]
+    assert [len(p) + 8 for p in prompts] == [13, 53, 29, 43]  # within 40, past 48, within 40, within 48 only
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(b"".join(orjson.dumps({"id": str(i), "prompt": w}) + b"\n" for i, w in enumerate(words)))
+    result = run_here(str(source), "--out", str(out), "--target", str(models["target"]), "--draft",
+                      str(models["draft"]), "--gamma", "4", "--max-new-tokens", "8", "--token-ids", "--no-progress")
+    assert result.exit_code == 3, result.output
+    assert "rescales past 48 positions" in result.output and "decoded within 40 tokens" in result.output
+    records = {r["id"]: r["token_ids"] for r in map(orjson.loads, out.read_bytes().splitlines())}
+    assert records == {i: reference(pair.target, prompts[int(i)], pair.eos_token_ids, 8) for i in ("0", "2")}
+    errors = [orjson.loads(line) for line in (tmp_path / "out.errors.jsonl").read_bytes().splitlines()]
+    assert [(e["id"], e["error"]["type"]) for e in errors] == [("1", "too_long"), ("3", "too_long")]

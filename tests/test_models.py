@@ -1,17 +1,19 @@
 """Loading: folders and GGUF files, tokenizer compatibility, dtype and device choices."""
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import (
-    AutoModelForCausalLM, BertConfig, BertForMaskedLM, LlamaConfig, LlamaForSequenceClassification, M2M100Config,
-    M2M100ForConditionalGeneration, MambaConfig, MptConfig, PreTrainedTokenizerFast,
+    AutoModelForCausalLM, BertConfig, BertForMaskedLM, GenerationConfig, LlamaConfig, LlamaForSequenceClassification,
+    M2M100Config, M2M100ForConditionalGeneration, MambaConfig, MptConfig, PreTrainedTokenizerFast,
 )
 
 from batchspec.defaults import default_target
 from batchspec.models import (
     ModelError, check_same_tokenizer, gguf_folder, load_config, load_pair, resolve_device, resolve_dtype,
+    unapplied_settings,
 )
 from batchspec.tiny import build_tokenizer
 from test_job import run_here
@@ -144,9 +146,19 @@ def test_gguf_is_converted_once_and_matches_transformers_own_gguf_load():
     start = time.monotonic()
     again = load_pair(gguf, dtype="float32", device="cpu")
     assert time.monotonic() - start < 30  # the conversion is not redone
-    assert again.eos_token_ids == (2,) and again.context_length == 8192
+    assert again.eos_token_ids == (2,) and again.context_length() == 8192
     directory, name = gguf.rsplit("/", 1)
     reference = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
     ids = torch.tensor([pair.tokenizer("The capital of France is")["input_ids"]])
     with torch.inference_mode():
         torch.testing.assert_close(again.target(ids).logits, reference(ids).logits)
+
+
+def test_generation_config_settings_not_applied_are_named():
+    """Every setting of a generation config that changes generate()'s tokens and batchspec does
+    not apply is named (the run warns with them); neutral values and the defaults are not."""
+    config = GenerationConfig(min_new_tokens=10, exponential_decay_length_penalty=(4, 1.5), typical_p=0.9,
+                              encoder_repetition_penalty=1.0, stop_strings=["\n\n"])
+    assert unapplied_settings(SimpleNamespace(generation_config=config)) == [
+        "min_new_tokens=10", "exponential_decay_length_penalty=(4, 1.5)", "typical_p=0.9", "stop_strings=['\\n\\n']"]
+    assert unapplied_settings(SimpleNamespace(generation_config=GenerationConfig())) == []
