@@ -414,7 +414,8 @@ def status(out, debug):
     from batchspec.status import status as shard_states, table
 
     def job():
-        click.echo(table(shard_states(out)))
+        states = shard_states(out)
+        click.echo(table(states) if states else f"no shard of {out!r} has started (no file matches it)")
         return 0
 
     sys.exit(guarded(job, debug))

@@ -258,8 +258,8 @@ def render(found: Digest, summary: dict, out: Path) -> str:
 def report(out: str, html: str | None, views: int, seed: int) -> tuple[Path, Digest]:
     """Write the page for OUT (default: OUT's stem + .report.html) and return its path."""
     paths = OutputPaths.of(out)
-    if not paths.out.exists():
-        raise UsageError(f"output not found: {out}")
+    if not paths.out.is_file():
+        raise UsageError(f"output not found: {out}" + (" is a folder" if paths.out.is_dir() else ""))
     found = digest(paths.out, paths.errors, views, seed)
     summary = read_summary(paths.summary)
     target = Path(html) if html else paths.summary.with_name(paths.summary.name.removesuffix(".summary.json")

@@ -150,7 +150,8 @@ def changed_options(stored: dict, fingerprint: dict) -> list[str]:
     (added to batchspec since that run started) is unchanged while this run leaves it unset."""
     old, new = stored.get("options", {}), fingerprint["options"]
     changed = {k for k in old.keys() | new.keys() if (k in old or new[k]) and old.get(k) != new.get(k)}
-    return sorted(changed | {k for k in ("input", "chat_template") if stored.get(k) != fingerprint.get(k)})
+    files = ("input", "chat_template", "json_schema", "grammar")  # what each file says
+    return sorted(changed | {k for k in files if stored.get(k) != fingerprint.get(k)})
 
 
 class Sink:

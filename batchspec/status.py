@@ -5,6 +5,7 @@ counted from the input named in the summary a stopped run left (unknown before t
 import os
 
 
+from batchspec.errors import UsageError
 from batchspec.merge import row_stats, shard_outputs
 from batchspec.shards import owned
 from batchspec.sink import OutputPaths, complete_lines, foreign, read_records, read_summary
@@ -59,6 +60,9 @@ def input_rows(source: str, options: dict) -> int | None:
 
 
 def status(out_or_template: str) -> list[dict]:
+    """Each shard's (or OUT's) status; none where no shard of a template has started."""
+    if os.path.isdir(out_or_template):
+        raise UsageError(f"{out_or_template!r} is a folder: give a run's --out (or its {{shard}} template)")
     shards = shard_outputs(out_or_template) if "{shard" in out_or_template else [OutputPaths.of(out_or_template)]
     return [shard_status(p) for p in shards]
 
@@ -69,7 +73,7 @@ def table(rows: list[dict]) -> str:
             return "?"
         return (f"{value:.1f}" if header == "tok/s" else f"{value:.3f}") if isinstance(value, float) else str(value)
 
-    widths = [max(len(h), *(len(cell(r[h], h)) for r in rows)) for h in HEADER]
+    widths = [max([len(h), *(len(cell(r[h], h)) for r in rows)]) for h in HEADER]
     lines = ["  ".join(h.ljust(w) for h, w in zip(HEADER, widths))]
     lines += ["  ".join(cell(r[h], h).ljust(w) for h, w in zip(HEADER, widths)) for r in rows]
     return "\n".join(lines)

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import orjson
+import pytest
 
 from batchspec.config import RunConfig
 from batchspec.sink import changed_options
@@ -68,3 +69,17 @@ def test_a_fingerprint_from_before_an_option_existed_still_resumes(tmp_path):
     assert changed_options(before, with_tools) == ["tools_field"]
     longer = RunConfig(input=str(tmp_path / "in.jsonl"), out="o.jsonl", max_new_tokens=5).fingerprint()
     assert changed_options(now, longer) == ["max_new_tokens"]
+
+
+@pytest.mark.parametrize("option", ["json_schema", "grammar", "chat_template"])
+def test_a_file_an_option_names_edited_between_runs_is_a_change(tmp_path, option):
+    """A resumed run would mix outputs under two schemas (grammars, templates): what the file
+    says is named as changed, not only where it is."""
+    (tmp_path / "in.jsonl").write_text("{}\n")
+    named = tmp_path / "named"
+    named.write_text('{"type": "string"}')
+    config = RunConfig(input=str(tmp_path / "in.jsonl"), out="o.jsonl", **{option: str(named)})
+    before = config.fingerprint()
+    assert changed_options(before, config.fingerprint()) == []
+    named.write_text('{"type": "integer"}')
+    assert changed_options(before, config.fingerprint()) == [option]

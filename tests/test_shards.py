@@ -7,7 +7,9 @@ import sys
 
 import orjson
 import pytest
+from click.testing import CliRunner
 
+from batchspec.cli import main
 from batchspec.errors import UsageError
 from batchspec.shards import resolve, shard_of
 from batchspec.status import status
@@ -132,3 +134,13 @@ def test_status_reads_each_shard(sharded, tmp_path):
     assert shown.returncode == 0 and shown.stdout.count("finished") == 3
     speeds = [line.split()[5] for line in shown.stdout.splitlines()[1:]]
     assert all(re.fullmatch(r"\d+\.\d", speed) for speed in speeds), shown.stdout  # tok/s, one decimal
+
+
+def test_status_before_any_shard_started_and_of_a_folder(tmp_path):
+    """A template no file matches yet is said so (exit 0: a cron check before the array starts);
+    a folder is a usage error, one line, no traceback."""
+    runner = CliRunner()
+    early = runner.invoke(main, ["status", str(tmp_path / "part-{shard:05d}.jsonl")])
+    assert early.exit_code == 0 and "has started (no file matches it)" in early.output, early.output
+    folder = runner.invoke(main, ["status", str(tmp_path)])
+    assert folder.exit_code == 2 and "is a folder" in folder.output and "Traceback" not in folder.output
