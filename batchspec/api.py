@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from batchspec.buckets import Batch, make_encoder, plan
-from batchspec.chat import Bounds, run_template_options
+from batchspec.chat import NO_TEMPLATE, Bounds, run_template_options
 from batchspec.config import LOOKUPS, SUFFIX, RunConfig
 from batchspec.decoding import DecodeConfig, RowOptions, resolve_sampling
 from batchspec.decoding.compiled import Compiled
@@ -162,6 +162,8 @@ def encoder(cfg: RunConfig, tokenizer, context: int | None, options: RowOptions)
     if problem:
         raise UsageError(f"{GRAMMAR_OPTIONS[options.grammar.kind]}: {problem}")
     template = run_template_options(cfg.chat_template, cfg.chat_template_kwargs, cfg.continue_final_message, tokenizer)
+    if cfg.chat and not (template.template or tokenizer.chat_template):  # every row would be an error
+        raise UsageError(f"--chat: {NO_TEMPLATE}")
     cap = line_cap(cfg, context)
     bounds = Bounds(chars=cap) if cfg.trust_request_chat_template else None
     return make_encoder(tokenizer, context_length=context, max_new_tokens=cfg.max_new_tokens, truncate=cfg.truncate,

@@ -167,15 +167,18 @@ class Bounds:
     chars: int = 1 << 24  # characters of rendered text
 
 
+NO_TEMPLATE = ("the target's tokenizer has no chat template, so chat rows (messages, --chat) cannot be rendered; "
+               "give plain prompts, a chat model or --chat-template FILE")
+
+
 def render(tokenizer, messages: list[dict], options: TemplateOptions, system: str | None = None,
            bounds: Bounds | None = None) -> list[int]:
     """Token ids of a chat (a list of objects with a string role, as sources checked it), with
     `system` added when it has no system (or developer) message; rendered within `bounds` when
-    given. Raises ChatError for a chat the template cannot take, UsageError when there is no
-    template at all."""
+    given. Raises ChatError for a chat the template cannot take, or when there is no template
+    (the row's error: the run's other rows may be plain prompts)."""
     if not (options.template or tokenizer.chat_template):
-        raise UsageError("the target's tokenizer has no chat template, so chat rows (messages, --chat, --system) "
-                         "cannot be rendered; give plain prompts, a chat model or --chat-template FILE")
+        raise ChatError("invalid_messages", NO_TEMPLATE)
     try:
         source = tokenizer.get_chat_template(options.template, options.tools)  # the one apply_chat_template uses
     except ValueError as e:  # several named templates, none the default

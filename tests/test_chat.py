@@ -2,6 +2,7 @@
 parts, tools, tool turns, documents and the template's options as clients send them."""
 
 import inspect
+import shutil
 from dataclasses import replace
 
 import orjson
@@ -38,15 +39,30 @@ def test_messages_chat_and_system(pair):
     assert chat == [templated(tok, with_system)] * 3  # a system message is added only where none is
 
 
-def test_tokenizer_without_template_is_a_clear_usage_error(pair):
-    tok = pair.tokenizer
-    saved, tok.chat_template = tok.chat_template, None
-    try:
-        encode = make_encoder(tok, context_length=None, max_new_tokens=8, truncate=None)
-        with pytest.raises(UsageError, match="no chat template"):
-            encode([Row(1, 1, None, {}, messages=[{"role": "user", "content": "hi"}])])
-    finally:
-        tok.chat_template = saved
+def test_chat_rows_for_a_model_without_a_template_are_error_rows(tiny_pair, tmp_path):
+    """A base model: a row with messages is an invalid_messages record and the plain rows around it
+    are completed (one such row in a file must not stop the job, nor every rerun of it); --chat,
+    which makes every row a chat, is the run's usage error before it starts."""
+    target, _ = tiny_pair("qwen2")
+    base = tmp_path / "base"
+    shutil.copytree(target, base)
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    config = orjson.loads((base / "tokenizer_config.json").read_bytes())
+    config.pop("chat_template", None)
+    (base / "tokenizer_config.json").write_bytes(orjson.dumps(config))
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(b'{"id": "a", "prompt": "the cat"}\n{"id": "b", "messages": [{"role": "user", "content": "hi"}]}\n'
+                       b'{"id": "c", "prompt": "a mat"}\n')
+    common = [str(source), "--target", str(base), "--mode", "ar", "--max-new-tokens", "2", "--no-progress"]
+    result = run_here(*common, "--out", str(out))
+    assert result.exit_code == 3, result.output
+    assert [orjson.loads(line)["id"] for line in out.read_bytes().splitlines()] == ["a", "c"]
+    error, = map(orjson.loads, (tmp_path / "out.errors.jsonl").read_bytes().splitlines())
+    assert error["id"] == "b" and error["error"]["type"] == "invalid_messages"
+    assert "no chat template" in error["error"]["message"]
+    refused = run_here(*common, "--out", str(tmp_path / "chat.jsonl"), "--chat")
+    assert refused.exit_code == 2 and "--chat: the target's tokenizer has no chat template" in refused.output
+    assert not (tmp_path / "chat.jsonl").exists() or not (tmp_path / "chat.jsonl").read_bytes()
 
 
 def test_bad_messages_are_error_rows(tmp_path):
