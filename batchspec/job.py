@@ -100,7 +100,7 @@ def run_locked(cfg: RunConfig, sink: Sink, stop: StopSignals) -> int:
             else:
                 yield item
 
-    interrupted = False
+    interrupted, failure = False, None
     try:  # a stop ends the run at once where nothing is being written: reading, decoding
         for done in stop.each(generator.decoded(fresh(shard_items(cfg, generator.line_cap)))):
             for error in done.errors if isinstance(done, Decoded) else [done]:
@@ -114,12 +114,15 @@ def run_locked(cfg: RunConfig, sink: Sink, stop: StopSignals) -> int:
             bar.set_postfix(stats.postfix(), refresh=False)
     except Stopped:
         interrupted = True
+    except UsageError as e:  # the input cannot be read on: what was written stands, the summary says so
+        failure = e
     bar.close()
     sink.flush_errors()
-    code = EXIT_INTERRUPTED if interrupted else EXIT_ROW_ERRORS if sink.error_lines else EXIT_OK
+    code = (failure.exit_code if failure else EXIT_INTERRUPTED if interrupted else
+            EXIT_ROW_ERRORS if sink.error_lines else EXIT_OK)
     pair, sampling = generator.pair, generator.decode_config.sampling
     summary = {
-        "finished": not interrupted,
+        "finished": not (interrupted or failure),
         "exit_code": code,
         "input": cfg.input,
         "out": str(sink.paths.out),
@@ -141,6 +144,8 @@ def run_locked(cfg: RunConfig, sink: Sink, stop: StopSignals) -> int:
         "versions": versions(),
     }
     write_atomic(sink.paths.summary, orjson.dumps(summary, option=orjson.OPT_INDENT_2))
+    if failure:
+        raise failure
     print_summary(summary, sink.paths, interrupted)
     return code
 

@@ -273,8 +273,9 @@ def jsonl_items(path: str, fields: Fields, max_line_bytes: int) -> Iterator[Row 
                 if raw.strip():
                     yield parse_line(raw, line, fields)
     except (OSError, EOFError, zlib.error) as e:  # a corrupt .gz, a read error
-        raise UsageError(f"cannot read {path} after line {line}: {first_line(e)} (the rows before it are done: fix "
-                         "the file and rerun to resume)") from None
+        raise UsageError(f"cannot read {path} after line {line}: {first_line(e)} (the rows written stand: rerun "
+                         "to resume once it reads; a file put in its place is another input, which --overwrite "
+                         "starts over)") from None
 
 
 MAX_LINE_BYTES = 1 << 30  # no cap of our own: a caller that knows the models' context gives one

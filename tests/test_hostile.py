@@ -250,6 +250,8 @@ def test_a_corrupt_gz_is_one_line_of_error(models, tmp_path):
     source.write_bytes(gzip.compress(b"\n".join(LINES["plain"][0] for _ in range(2000)))[:300])  # cut short
     result = run_here(str(source), "--out", str(tmp_path / "out.jsonl"), *models)
     assert result.exit_code == 2 and "cannot read" in result.output and "Traceback" not in result.output, result.output
+    summary = orjson.loads((tmp_path / "out.summary.json").read_bytes())  # written at the end of every run
+    assert summary["finished"] is False and summary["exit_code"] == 2
 
 
 @pytest.mark.parametrize("args, words", [
