@@ -176,7 +176,8 @@ def main():
         help="Nucleus filter, 1 = off. Default: generation_config.")
 @option("--min-p", type=Finite(0, 1), default=None,
         help="Drop tokens less likely than this times the likeliest, 0 = off. Default: generation_config.")
-@option("--seed", type=int, default=0, help="With the row id, seeds each row's own sampling.")
+@option("--seed", type=click.IntRange(-(2**63), 2**63 - 1), default=0,  # 64 bits: it is written in the summary
+        help="With the row id, seeds each row's own sampling.")
 @option("--stop", multiple=True, default=(),
         help="Stop string (repeatable): a row ends right before the first one in its text.")
 @option("--min-new-tokens", type=click.IntRange(0), default=0, help="No EOS or stop id before this many tokens.")

@@ -24,7 +24,7 @@ class IncompleteShards(UserError):
 def shard_outputs(template: str) -> list[OutputPaths]:
     """The OUT files matching a {shard} template, in name order."""
     if "{shard" not in template:
-        raise UserError(f"{template!r} has no {{shard}} placeholder: give the --out the shard runs used")
+        raise UsageError(f"{template!r} has no {{shard}} placeholder: give the --out the shard runs used")
     pattern = re.sub(r"\{shard[^}]*\}", "*", template)
     return [OutputPaths.of(p) for p in sorted(glob.glob(pattern)) if not p.endswith(".errors.jsonl")]
 

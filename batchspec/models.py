@@ -35,7 +35,10 @@ def resolve_device(device: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ModelError(f"device {device!r} asked for, but torch sees no CUDA GPU")
-    return torch.device(device)
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        raise ModelError(f"unknown device {device!r}; choose auto, cpu, cuda or cuda:N") from None
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

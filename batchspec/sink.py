@@ -111,6 +111,9 @@ def output_paths(out: str, sources: list[str]) -> OutputPaths:
     paths = OutputPaths.of(str(Path(out).resolve()))
     if paths.out.exists() and not paths.out.is_file():
         raise UsageError(f"--out {out} is not a regular file (a device, a FIFO): choose a file to write")
+    blocked = next((p for p in paths.out.parents if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        raise UsageError(f"--out {out} is inside {blocked}, which is a file, not a folder: choose another --out")
     for source in sources:
         for path in paths.all():
             if path.exists() and os.path.exists(source) and os.path.samefile(path, source):

@@ -260,6 +260,8 @@ def test_a_corrupt_gz_is_one_line_of_error(models, tmp_path):
     (["--repetition-penalty", "inf"], "not a finite number"),
     (["--min-new-tokens", "9", "--max-new-tokens", "3"], "--min-new-tokens 9 is over --max-new-tokens 3"),
     (["--compile-after", "5"], "--compile-after says when --compile compiles: give --compile too"),
+    (["--seed", str(10**23)], "is not in the range"),  # the summary's JSON holds 64 bits
+    (["--device", "tpu"], "unknown device 'tpu'; choose auto, cpu, cuda or cuda:N"),
 ])
 def test_loose_options_are_usage_errors_before_any_load(plain_input, tmp_path, args, words):
     refused(run_here(str(plain_input), "--out", str(tmp_path / "out.jsonl"), *args), words)
@@ -279,6 +281,7 @@ def test_an_out_that_is_not_a_regular_file_is_refused(models, plain_input, tmp_p
     os.mkfifo(fifo)
     refused(run_here(str(plain_input), "--out", str(fifo), *models), "not a regular file")
     assert not (tmp_path / "out.fifo.run.json").exists()
+    refused(run_here(str(plain_input), "--out", str(plain_input / "out.jsonl"), *models), "which is a file, not a folder")
 
 
 @pytest.mark.parametrize("option", ["--chat-template", "--json-schema", "--grammar", "--config"])

@@ -144,3 +144,8 @@ def test_status_before_any_shard_started_and_of_a_folder(tmp_path):
     assert early.exit_code == 0 and "has started (no file matches it)" in early.output, early.output
     folder = runner.invoke(main, ["status", str(tmp_path)])
     assert folder.exit_code == 2 and "is a folder" in folder.output and "Traceback" not in folder.output
+
+
+def test_merge_of_a_name_without_a_shard_placeholder_is_a_usage_error(tmp_path):
+    result = CliRunner().invoke(main, ["merge", str(tmp_path / "out.jsonl"), "--out", str(tmp_path / "all.jsonl")])
+    assert result.exit_code == 2 and "has no {shard} placeholder" in result.output, result.output
