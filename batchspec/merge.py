@@ -5,6 +5,7 @@ their summaries say how many shards there are and whether each finished.
 """
 
 import glob
+import os
 import re
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -91,6 +92,10 @@ def row_stats(record: dict) -> dict:
     return record["stats"] if "stats" in record else record["response"]["body"]["batchspec"]
 
 
+def same_file(a: Path, b: Path) -> bool:
+    return a.exists() and b.exists() and os.path.samefile(a, b)
+
+
 def check_target(target: OutputPaths, overwrite: bool) -> None:
     """OUT may be replaced only when it is new, an earlier merge's (its summary lists shards) or
     `overwrite` says so: a merge never cuts a file batchspec did not write."""
@@ -102,8 +107,11 @@ def check_target(target: OutputPaths, overwrite: bool) -> None:
 def merge(template: str, out: str, *, allow_partial: bool = False, order_by_input: str | None = None,
           overwrite: bool = False) -> dict:
     target = OutputPaths.of(out)
-    check_target(target, overwrite)
     shards = shard_outputs(template)
+    if any(same_file(mine, theirs) for mine in target.all() for shard in shards for theirs in shard.all()):
+        raise UsageError(f"--out {out} is a shard's own file: the merge would write over what it reads; choose "
+                         "another --out")
+    check_target(target, overwrite)
     summaries = check_complete(shards, allow_partial)
     with foreign("the shards' summaries"):
         options = summaries[0]["options"]

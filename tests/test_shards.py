@@ -149,3 +149,13 @@ def test_status_before_any_shard_started_and_of_a_folder(tmp_path):
 def test_merge_of_a_name_without_a_shard_placeholder_is_a_usage_error(tmp_path):
     result = CliRunner().invoke(main, ["merge", str(tmp_path / "out.jsonl"), "--out", str(tmp_path / "all.jsonl")])
     assert result.exit_code == 2 and "has no {shard} placeholder" in result.output, result.output
+
+
+def test_merge_never_writes_over_a_shard_it_reads(sharded):
+    """--overwrite replaces an earlier output, never one of the shards being merged."""
+    root, _, _ = sharded
+    before = (root / "part-0.jsonl").read_bytes()
+    result = CliRunner().invoke(main, ["merge", str(root / "part-{shard}.jsonl"), "--out", str(root / "part-0.jsonl"),
+                                       "--overwrite"])
+    assert result.exit_code == 2 and "is a shard's own file" in result.output, result.output
+    assert (root / "part-0.jsonl").read_bytes() == before
