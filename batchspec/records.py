@@ -103,7 +103,7 @@ class RecordMaker:
         return {
             "tokens": [self.token_text(token) for token in output.token_ids],
             "token_logprobs": [logprob for logprob, _ in output.logprobs],
-            "top_logprobs": [{self.token_text(i): lp for i, lp in top} for _, top in output.logprobs],
+            "top_logprobs": [by_text(top, self.token_text) for _, top in output.logprobs],
             "text_offset": text_offsets(self.tokenizer, output.token_ids),
         }
 
@@ -129,6 +129,15 @@ class RecordMaker:
         request_id = f"batch_req_{digest}"
         return {"id": request_id, "custom_id": row.id,
                 "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
+
+
+def by_text(top: list[tuple[int, float]], text) -> dict[str, float]:
+    """{text: logprob} of the top tokens (likeliest first): tokens that read the same (byte
+    pieces of one character each read U+FFFD) keep the likeliest's, as the dict holds one."""
+    out = {}
+    for token, logprob in top:
+        out.setdefault(text(token), logprob)
+    return out
 
 
 def text_offsets(tokenizer, token_ids: list[int]) -> list[int]:

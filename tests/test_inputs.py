@@ -12,6 +12,7 @@ from openai.types.chat import ChatCompletion
 from batchspec.buckets import cut
 from batchspec.errors import UsageError
 from batchspec.models import load_pair
+from batchspec.records import by_text
 from batchspec.sources import Fields, Row, read_input
 from test_job import run_here
 
@@ -234,3 +235,10 @@ def test_keep_fields_and_output_loads_as_a_dataset(models, tmp_path):
 def test_read_input_refuses_a_missing_path(tmp_path):
     with pytest.raises(UsageError, match="input not found"):
         read_input(str(tmp_path / "nothing.jsonl"), Fields())
+
+
+def test_a_completions_top_logprobs_keeps_the_likeliest_of_tokens_that_read_the_same():
+    """Two byte pieces both read U+FFFD: the dict OpenAI's completions format holds keeps the
+    likelier's logprob, not the last one's."""
+    text = {5: "\ufffd", 6: "\ufffd", 7: "a"}.__getitem__
+    assert by_text([(5, -0.5), (7, -1.0), (6, -2.0)], text) == {"\ufffd": -0.5, "a": -1.0}
