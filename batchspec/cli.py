@@ -34,6 +34,11 @@ def load_config_file(ctx, param, path):
     unknown = sorted(set(data) - {p.name for p in ctx.command.params} - {"config"})
     if unknown:
         raise click.BadParameter(f"{path} has unknown option(s): {', '.join(unknown)}", ctx=ctx, param=param)
+    integers = {p.name for p in ctx.command.params if isinstance(p.type, click.types.IntParamType)}
+    loose = sorted(k for k in integers & set(data) if isinstance(data[k], (float, bool)))  # click would cut 3.7 to 3
+    if loose:
+        raise click.BadParameter(f"{path}: {', '.join(f'{k} = {data[k]!r}' for k in loose)}: give a whole number",
+                                 ctx=ctx, param=param)
     if isinstance(data.get("draft"), str):  # --draft may be given several times
         data["draft"] = [data["draft"]]
     if isinstance(data.get("keep_fields"), list):

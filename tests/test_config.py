@@ -5,7 +5,9 @@ import sys
 
 import orjson
 import pytest
+from click.testing import CliRunner
 
+from batchspec.cli import main
 from batchspec.config import RunConfig
 from batchspec.sink import changed_options
 from test_job import ENV, write_input
@@ -42,6 +44,9 @@ def test_unknown_keys_are_a_usage_error(tmp_path):
     config.write_text('max_new_tokenz = 5\n')
     result = batchspec("in.jsonl", "--out", "o.jsonl", "--config", str(config))
     assert result.returncode == 2 and "unknown option(s): max_new_tokenz" in result.stderr
+    config.write_text('max_new_tokens = 3.7\nbatch_size = true\ntemperature = 1\n')  # a float option takes an int
+    result = CliRunner().invoke(main, ["run", "in.jsonl", "--out", "o.jsonl", "--config", str(config)])
+    assert result.exit_code == 2 and "batch_size = True, max_new_tokens = 3.7: give a whole number" in result.output
 
 
 def test_a_config_file_drives_a_run(tiny_pair, tmp_path):
