@@ -51,7 +51,8 @@ def test_chat_rows_for_a_model_without_a_template_are_error_rows(tiny_pair, tmp_
     config.pop("chat_template", None)
     (base / "tokenizer_config.json").write_bytes(orjson.dumps(config))
     source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    source.write_bytes(b'{"id": "a", "prompt": "the cat"}\n{"id": "b", "messages": [{"role": "user", "content": "hi"}]}\n'
+    source.write_bytes(b'{"id": "a", "prompt": "the cat"}\n'
+                       b'{"id": "b", "messages": [{"role": "user", "content": "hi"}]}\n'
                        b'{"id": "c", "prompt": "a mat"}\n')
     common = [str(source), "--target", str(base), "--mode", "ar", "--max-new-tokens", "2", "--no-progress"]
     result = run_here(*common, "--out", str(out))

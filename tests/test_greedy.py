@@ -457,7 +457,8 @@ def test_a_rope_scaled_by_length_is_decoded_within_its_window(tiny_pair, tmp_pat
         (models[name] / "config.json").write_bytes(orjson.dumps(config))
     pair = load_pair(str(models["target"]), dtype="float32", device="cpu")
     rng = random.Random(0)
-    words = [" ".join(rng.choices(["the", "cat", "sat", "on", "a", "mat", "then", "ran"], k=k)) for k in (3, 30, 14, 26)]
+    vocabulary = ["the", "cat", "sat", "on", "a", "mat", "then", "ran"]
+    words = [" ".join(rng.choices(vocabulary, k=k)) for k in (3, 30, 14, 26)]
     prompts = [pair.tokenizer(w)["input_ids"] for w in words]
     assert [len(p) + 8 for p in prompts] == [13, 53, 29, 43]  # within 40, past 48, within 40, within 48 only
     source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"

@@ -281,7 +281,8 @@ def test_an_out_that_is_not_a_regular_file_is_refused(models, plain_input, tmp_p
     os.mkfifo(fifo)
     refused(run_here(str(plain_input), "--out", str(fifo), *models), "not a regular file")
     assert not (tmp_path / "out.fifo.run.json").exists()
-    refused(run_here(str(plain_input), "--out", str(plain_input / "out.jsonl"), *models), "which is a file, not a folder")
+    inside = str(plain_input / "out.jsonl")
+    refused(run_here(str(plain_input), "--out", inside, *models), "which is a file, not a folder")
 
 
 @pytest.mark.parametrize("option", ["--chat-template", "--json-schema", "--grammar", "--config"])
