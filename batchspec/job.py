@@ -33,22 +33,28 @@ def check_input(cfg: RunConfig) -> None:
 def shard_items(cfg: RunConfig, max_line_bytes: int):
     """This shard's rows and error lines of the input."""
     rows = read_run_input(cfg.input, cfg.options(), max_line_bytes)
-    return warn_unapplied(shards.owned(rows, cfg.num_shards, cfg.shard_index))
+    return with_warnings(shards.owned(rows, cfg.num_shards, cfg.shard_index), cfg.id_field)
 
 
-def warn_unapplied(items):
+def with_warnings(items, id_field: str = "id"):
     """The items as they come, with one warning at the first plain row that carries fields a
     request body would take as options (max_tokens, stop, ...): they are data there, and a run
-    that drops what the user meant as options must not do it silently."""
-    warned = False
+    that drops what the user meant as options must not do it silently; and one at the first
+    plain row without the --id-field named (not the default "id"), whose id is its line number."""
+    warned, unnamed = False, id_field == "id"
     for item in items:
-        if not warned and isinstance(item, Row) and item.unapplied:
+        plain = isinstance(item, Row) and item.endpoint is None
+        if not warned and plain and item.unapplied:
             keys = ", ".join(map(repr, item.unapplied))
             say(f"warning: input row {item.line} has {keys} beside its prompt or messages; a plain row's other "
                 "fields are data (--keep-fields), not options, so they are not applied. Give per-row options as "
                 'OpenAI-batch lines ({"custom_id": ..., "body": {...}}) or every row\'s on the command line '
                 "(batchspec run --help). Warned once.")
             warned = True
+        if not unnamed and plain and id_field not in item.fields:
+            say(f"warning: input row {item.line} has no field {id_field!r} (--id-field): its id is its line "
+                "number. Warned once.")
+            unnamed = True
         yield item
 
 

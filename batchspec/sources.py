@@ -175,7 +175,7 @@ OPTION_KEYS = HONORED_KEYS | set(CHAT_KEYS)  # a request body's keys that change
 def unapplied_keys(obj: dict, fields: Fields) -> tuple[str, ...]:
     """The fields of a plain prompt/messages row that a request body would take as options (its
     max_tokens, stop, tools, ...): a plain row's other fields are data (--keep-fields), so these
-    are not applied, and the job says so (job.warn_unapplied)."""
+    are not applied, and the job says so (job.with_warnings)."""
     return tuple(sorted(obj.keys() & OPTION_KEYS - {fields.prompt, fields.messages, fields.id, fields.tools}))
 
 

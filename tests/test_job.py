@@ -14,7 +14,9 @@ import torch
 from click.testing import CliRunner
 
 from batchspec.cli import main
+from batchspec.job import with_warnings
 from batchspec.models import load_pair
+from batchspec.sources import Row
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
 WORDS = "the cat sat on a mat and then it went home to read a small book about water in the old house".split()
@@ -452,3 +454,13 @@ def test_memory_stays_flat_on_100k_lines(setup, tmp_path):
         sizes[rows] = max_rss_kib([str(path), "--out", str(tmp_path / "o.jsonl"), "--target", str(setup["target"]),
                                    "--dry-run", "--window", "512"])
     assert sizes[100_000] < sizes[10_000] + 24 * 1024, sizes  # under 24 MiB more (8 bytes an id are kept)
+
+
+def test_rows_without_the_id_field_named_are_warned_of_once(capsys):
+    """--id-field qid and rows without it: their ids are line numbers, said once (the default
+    "id" absent is the documented line number, said nothing)."""
+    rows = [Row("1", 1, "a", {"prompt": "a"}), Row("x", 2, "b", {"qid": "x", "prompt": "b"}), Row("3", 3, "c", {})]
+    assert list(with_warnings(iter(rows), "qid")) == rows
+    assert capsys.readouterr().err.count("input row 1 has no field 'qid' (--id-field)") == 1
+    list(with_warnings(iter(rows)))
+    assert "--id-field" not in capsys.readouterr().err
