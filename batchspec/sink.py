@@ -163,7 +163,7 @@ class Sink:
         self.done = IdSet()
         for record in recover(paths.out, id_key):
             self.done.add(record[id_key])
-        self.error_lines = {record["line"] for record in recover(paths.errors, "line")}
+        self.error_lines = {record["line"]: record.get("id") for record in recover(paths.errors, "line")}  # -> its id
         self.resumed_rows, self.resumed_errors = len(self.done), len(self.error_lines)
         paths.out.parent.mkdir(parents=True, exist_ok=True)
         self.out = open(paths.out, "ab")
@@ -171,13 +171,17 @@ class Sink:
         self.pending_errors: list[bytes] = []
 
     def is_done(self, item: Row | RowError) -> bool:
-        """Written by an earlier run: its line is in the error file, or (a good row) its id in OUT."""
-        return item.line in self.error_lines or (isinstance(item, Row) and item.id in self.done)
+        """Written by an earlier run: a bad line's line is in the error file; a good row's id is in
+        OUT, or its line's error record names it (a row that failed in decoding). A stream sent
+        again with another row at a line that was bad has that row decoded, not skipped."""
+        if isinstance(item, Row):
+            return item.id in self.done or (item.line in self.error_lines and self.error_lines[item.line] == item.id)
+        return item.line in self.error_lines
 
     def error(self, error: RowError) -> None:
         """Buffered: a kill before the next flush only means the rerun finds the line bad again."""
         self.pending_errors.append(orjson.dumps(error.record()) + b"\n")
-        self.error_lines.add(error.line)
+        self.error_lines[error.line] = error.id
         if len(self.pending_errors) >= 1000:
             self.flush_errors()
 

@@ -16,7 +16,8 @@ from click.testing import CliRunner
 from batchspec.cli import main
 from batchspec.job import with_warnings
 from batchspec.models import load_pair
-from batchspec.sources import Row
+from batchspec.sink import OutputPaths, Sink
+from batchspec.sources import Row, RowError
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
 WORDS = "the cat sat on a mat and then it went home to read a small book about water in the old house".split()
@@ -464,3 +465,18 @@ def test_rows_without_the_id_field_named_are_warned_of_once(capsys):
     assert capsys.readouterr().err.count("input row 1 has no field 'qid' (--id-field)") == 1
     list(with_warnings(iter(rows)))
     assert "--id-field" not in capsys.readouterr().err
+
+
+def test_a_stream_sent_again_with_a_good_row_where_a_bad_line_was_decodes_it(tmp_path):
+    """Stdin has no identity to resume by but its rows' ids: a line that was bad is skipped when
+    it is bad again, and a row there now (another stream) is decoded, not silently skipped; a
+    row whose own error is on file (it failed decoding) is not decoded twice."""
+    paths = OutputPaths.of(str(tmp_path / "out.jsonl"))
+    paths.errors.write_bytes(b'{"id": null, "line": 1, "error": {"type": "invalid_json", "message": "x"}}\n'
+                             b'{"id": "z", "line": 2, "error": {"type": "too_long", "message": "x"}}\n')
+    sink = Sink(paths)
+    try:
+        assert sink.is_done(RowError(1, None, "invalid_json", "x")) and sink.is_done(Row("z", 2, "p", {}))
+        assert not sink.is_done(Row("y", 1, "p", {})) and not sink.is_done(Row("w", 2, "p", {}))
+    finally:
+        sink.close()
