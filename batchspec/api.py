@@ -164,6 +164,9 @@ def encoder(cfg: RunConfig, tokenizer, context: int | None, options: RowOptions)
     template = run_template_options(cfg.chat_template, cfg.chat_template_kwargs, cfg.continue_final_message, tokenizer)
     if cfg.chat and not (template.template or tokenizer.chat_template):  # every row would be an error
         raise UsageError(f"--chat: {NO_TEMPLATE}")
+    if context is not None and cfg.max_new_tokens >= context:
+        say(f"warning: --max-new-tokens {cfg.max_new_tokens} leaves no room for a prompt in the models' context of "
+            f"{context} tokens: rows without a max_tokens of their own are too_long (--truncate cannot cut them)")
     cap = line_cap(cfg, context)
     bounds = Bounds(chars=cap) if cfg.trust_request_chat_template else None
     return make_encoder(tokenizer, context_length=context, max_new_tokens=cfg.max_new_tokens, truncate=cfg.truncate,

@@ -271,9 +271,10 @@ def test_too_long_does_not_suggest_truncate_when_it_is_given(models, tmp_path):
     source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_bytes(orjson.dumps({"id": "long", "prompt": "the cat " * 3000}) + b"\n")
     for given in ([], ["--truncate", "left", "--max-new-tokens", "5000"]):
-        run_here(str(source), "--out", str(out), *models, *given, "--overwrite")
+        result = run_here(str(source), "--out", str(out), *models, *given, "--overwrite")
         message = orjson.loads(sidecar(out, ".errors.jsonl").read_bytes())["error"]["message"]
         assert ("--truncate" in message) is not bool(given), message
+        assert ("--max-new-tokens 5000 leaves no room for a prompt" in result.output) is bool(given), result.output
 
 
 def test_an_out_that_is_not_a_regular_file_is_refused(models, plain_input, tmp_path):
