@@ -20,7 +20,7 @@ from batchspec.buckets import plan
 from batchspec.config import STDIN, RunConfig
 from batchspec.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_ROW_ERRORS, StopSignals, Stopped, UsageError, say
 from batchspec.models import load_tokenizer
-from batchspec.sink import OutputPaths, Sink, claim, locked, output_paths, write_atomic
+from batchspec.sink import OutputPaths, Sink, claim, locked, output_paths, refuse_foreign, write_atomic
 from batchspec.sources import Row, RowError, input_size, read_run_input
 from batchspec.stats import RunStats, by_source, progress_bar
 
@@ -79,6 +79,8 @@ def run(cfg: RunConfig, stop: StopSignals) -> int:
 def opened_out(cfg: RunConfig) -> Iterator[Sink]:
     """OUT locked for this run, started over (--overwrite) or claimed, its Sink open."""
     paths = output_paths(cfg.out, cfg.input_files())
+    if not cfg.overwrite:
+        refuse_foreign(paths)  # before a lock file is made beside a file batchspec did not write
     with locked(paths):
         if cfg.overwrite:
             for path in paths.all():

@@ -125,6 +125,13 @@ def written(path: Path) -> bool:
     return path.exists() and path.stat().st_size > 0
 
 
+def refuse_foreign(paths: OutputPaths) -> None:
+    """Refuse an OUT with records that batchspec did not start (no fingerprint beside it)."""
+    if any(written(path) for path in (paths.out, paths.errors)) and not paths.fingerprint.exists():
+        raise UsageError(f"{paths.out} exists and was not started by batchspec (no {paths.fingerprint.name} beside "
+                         "it); choose another --out, or pass --overwrite to replace it")
+
+
 def claim(paths: OutputPaths, fingerprint: dict) -> None:
     """Make OUT this run's, or refuse: a new OUT gets the run's fingerprint; an OUT with records
     is resumed only when its fingerprint exists and matches (so a torn tail is cut only in a file
@@ -133,9 +140,7 @@ def claim(paths: OutputPaths, fingerprint: dict) -> None:
     if not any(written(path) for path in (paths.out, paths.errors)):
         write_atomic(paths.fingerprint, orjson.dumps(fingerprint, option=orjson.OPT_INDENT_2))
         return
-    if not paths.fingerprint.exists():
-        raise UsageError(f"{paths.out} exists and was not started by batchspec (no {paths.fingerprint.name} beside "
-                         "it); choose another --out, or pass --overwrite to replace it")
+    refuse_foreign(paths)
     try:
         stored = orjson.loads(paths.fingerprint.read_bytes())
         changed = changed_options(stored, fingerprint)

@@ -101,6 +101,7 @@ def test_a_foreign_out_is_refused_and_left_as_it_was(models, plain_input, tmp_pa
     refused(run_here(str(plain_input), "--out", str(out if through_link else foreign), *models), "--overwrite")
     assert foreign.read_bytes() == b"my notes, no newline at the end"
     assert not sidecar(foreign, ".run.json").exists() and not (tmp_path / "notes.txt.run.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "notes.txt"] + ["out.jsonl"] * through_link
 
 
 def test_an_out_whose_fingerprint_is_gone_is_not_adopted(models, plain_input, tmp_path):
