@@ -259,7 +259,7 @@ def report(out: str, html: str | None, views: int, seed: int) -> tuple[Path, Dig
     """Write the page for OUT (default: OUT's stem + .report.html) and return its path."""
     paths = OutputPaths.of(out)
     if not paths.out.is_file():
-        raise UsageError(f"output not found: {out}" + (" is a folder" if paths.out.is_dir() else ""))
+        raise UsageError(f"{out} is a folder: give a run's OUT" if paths.out.is_dir() else f"output not found: {out}")
     found = digest(paths.out, paths.errors, views, seed)
     summary = read_summary(paths.summary)
     target = Path(html) if html else paths.summary.with_name(paths.summary.name.removesuffix(".summary.json")

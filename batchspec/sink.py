@@ -168,7 +168,7 @@ class Sink:
         self.done = IdSet()
         for record in recover(paths.out, id_key):
             self.done.add(record[id_key])
-        self.error_lines = {record["line"]: record.get("id") for record in recover(paths.errors, "line")}  # -> its id
+        self.error_lines = {record["line"]: record.get("id") for record in recover(paths.errors, "line")}  # line -> id
         self.resumed_rows, self.resumed_errors = len(self.done), len(self.error_lines)
         paths.out.parent.mkdir(parents=True, exist_ok=True)
         self.out = open(paths.out, "ab")
@@ -180,7 +180,7 @@ class Sink:
         OUT, or its line's error record names it (a row that failed in decoding). A stream sent
         again with another row at a line that was bad has that row decoded, not skipped."""
         if isinstance(item, Row):
-            return item.id in self.done or (item.line in self.error_lines and self.error_lines[item.line] == item.id)
+            return item.id in self.done or self.error_lines.get(item.line) == item.id
         return item.line in self.error_lines
 
     def error(self, error: RowError) -> None:

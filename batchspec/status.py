@@ -4,7 +4,6 @@ counted from the input named in the summary a stopped run left (unknown before t
 
 import os
 
-
 from batchspec.errors import UsageError
 from batchspec.merge import row_stats, shard_outputs
 from batchspec.shards import owned
