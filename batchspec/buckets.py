@@ -159,10 +159,11 @@ def make_encoder(
                             "row messages, or --chat to make its prompt one")
         if not ids:
             return RowError(row.line, row.id, "empty_prompt", "the prompt has no tokens")
-        unknown = sorted(t for t in row.options.get("logit_bias", ()) if t >= len(tokenizer))
-        if unknown:
-            return RowError(row.line, row.id, "invalid_request",
-                            f"logit_bias names token ids the tokenizer does not have ({len(tokenizer)} ids): {unknown}")
+        for name in ("logit_bias", "stop_token_ids"):  # ids no row can meet (and no tensor index)
+            unknown = sorted(t for t in row.options.get(name, ()) if t >= len(tokenizer))
+            if unknown:
+                return RowError(row.line, row.id, "invalid_request",
+                                f"{name} names token ids the tokenizer does not have ({len(tokenizer)} ids): {unknown}")
         problem = options_problem(row)
         if problem:
             return RowError(row.line, row.id, "invalid_request", problem)

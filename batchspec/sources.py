@@ -102,7 +102,10 @@ def row_id(obj: dict, id_field: str, line: int) -> str:
     if value is None:
         return str(line)
     if isinstance(value, bool) or not isinstance(value, (str, int)) or value == "":
-        raise ValueError("invalid_id", f"{id_field!r} must be a non-empty string or an integer, got {json_type(value)}")
+        got = json_type(value)
+        if type(value) is float:  # orjson reads an integer past 64 bits as a float
+            got = f"{value!r}, a fraction or an integer past 64 bits: give the id as a string"
+        raise ValueError("invalid_id", f"{id_field!r} must be a non-empty string or an integer, got {got}")
     return str(value)
 
 

@@ -56,6 +56,7 @@ LINES = {
     "another endpoint": (orjson.dumps({"custom_id": "embed", "url": "/v1/embeddings", "body": {"input": "x"}}),
                          "invalid_request"),
     "bias on a token the tokenizer lacks": (request("bias", logit_bias={"999999999": 5}), "invalid_request"),
+    "stop id the tokenizer lacks": (request("stop-id", stop_token_ids=[999999999], min_tokens=1), "invalid_request"),
     "empty stop string": (request("empty-stop", stop=[""]), "invalid_request"),
     "seed not an integer": (request("seed", seed=1e30), "invalid_request"),
     "max_tokens past any context": (request("max-huge", max_tokens=10**12), "too_long"),

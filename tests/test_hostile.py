@@ -50,6 +50,8 @@ def test_every_hostile_line_gets_one_record_or_error_and_the_job_goes_on(models,
         else:
             assert errors[number]["error"]["type"] == kind, (name, errors[number])
     assert len(records) + len(errors) == len(LINES)  # each line once, in one file
+    huge = errors[list(LINES).index("huge integer id") + 1]["error"]["message"]
+    assert "give the id as a string" in huge, huge
     small = tmp_path / "small.jsonl"
     small.write_bytes(LINES["plain"][0] + b"\n" + LINES["chat"][0] + b"\n")
     baseline, baseline_peak, _ = measured_run(str(small), "--out", str(tmp_path / "small-out.jsonl"), *models)
