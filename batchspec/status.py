@@ -72,7 +72,7 @@ def table(rows: list[dict]) -> str:
             return "?"
         return (f"{value:.1f}" if header == "tok/s" else f"{value:.3f}") if isinstance(value, float) else str(value)
 
-    widths = [max([len(h), *(len(cell(r[h], h)) for r in rows)]) for h in HEADER]
+    widths = [max(len(h), *(len(cell(r[h], h)) for r in rows)) for h in HEADER]
     lines = ["  ".join(h.ljust(w) for h, w in zip(HEADER, widths))]
     lines += ["  ".join(cell(r[h], h).ljust(w) for h, w in zip(HEADER, widths)) for r in rows]
     return "\n".join(lines)
